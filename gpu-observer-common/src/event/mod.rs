@@ -1,0 +1,156 @@
+//! Records the eBPF programs write into the `EVENTS` ring buffer.
+//!
+//! Each record starts with an [`EventHeader`]; its `kind` says which struct follows. Sizes are
+//! multiples of 8 so records stay aligned in the ring.
+
+#[cfg(feature = "user")]
+mod user;
+#[cfg(feature = "user")]
+pub use user::read_record;
+
+/// Kind of a ring-buffer record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum EventKind {
+    /// [`LaunchEvent`], from an entry-only probe.
+    Launch = 1,
+    /// [`CallEvent`]: a probed call that returned (copy, memset, alloc, free, sync, init).
+    Call = 2,
+    /// [`IoctlEvent`]: an ioctl of an observed thread that returned.
+    Ioctl = 3,
+    /// [`EventHeader`] alone: the process (thread group leader) exited.
+    ProcessExit = 4,
+}
+
+impl EventKind {
+    pub const COUNT: u32 = 5;
+
+    pub fn from_u32(v: u32) -> Option<Self> {
+        Some(match v {
+            1 => Self::Launch,
+            2 => Self::Call,
+            3 => Self::Ioctl,
+            4 => Self::ProcessExit,
+            _ => return None,
+        })
+    }
+}
+
+pub const COMM_LEN: usize = 16;
+
+/// Common prefix of every record.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct EventHeader {
+    /// An [`EventKind`] as u32.
+    pub kind: u32,
+    /// 1-based index into [`crate::api::APIS`], 0 when none.
+    pub api: u32,
+    pub pid: u32,
+    pub tid: u32,
+    /// CLOCK_MONOTONIC ns (`bpf_ktime_get_ns`); for calls, their entry.
+    pub ts_ns: u64,
+    pub comm: [u8; COMM_LEN],
+}
+
+/// A kernel or graph launch, read at entry.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct LaunchEvent {
+    pub hdr: EventHeader,
+    /// `CUfunction` (or `CUgraphExec` for graph launches).
+    pub function: u64,
+    pub stream: u64,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_mem_bytes: u32,
+    /// 0 when the arguments were read in full; else a bit per part that could not be read.
+    pub read_errors: u32,
+}
+
+/// Bits of [`LaunchEvent::read_errors`].
+pub mod read_error {
+    /// The stack arguments of `cuLaunchKernel` (blockDimZ, shared memory, stream).
+    pub const STACK: u32 = 1;
+    /// The `CUlaunchConfig` of `cuLaunchKernelEx`.
+    pub const CONFIG: u32 = 2;
+    /// An out-pointer of an allocation, read at return.
+    pub const OUT_PTR: u32 = 4;
+}
+
+/// A probed call from entry to return. Arguments are raw; the agent decodes them by API.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct CallEvent {
+    pub hdr: EventHeader,
+    /// The six register arguments at entry.
+    pub args: [u64; 6],
+    /// Values read through out-pointers at return (see [`crate::api::Flags`]).
+    pub out: [u64; 2],
+    pub duration_ns: u64,
+    /// Time this thread spent in ioctls during the call.
+    pub ioctl_ns: u64,
+    pub ioctl_count: u32,
+    /// `CUresult` returned.
+    pub result: u32,
+    /// Nested probed calls this call made (counted, not reported).
+    pub nested: u32,
+    pub read_errors: u32,
+}
+
+/// An ioctl issued by an observed thread.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct IoctlEvent {
+    pub hdr: EventHeader,
+    pub arg: u64,
+    pub duration_ns: u64,
+    pub ret: i64,
+    pub fd: u32,
+    pub cmd: u32,
+    /// API id of the probed call the thread was inside, 0 if none.
+    pub parent_api: u32,
+    pub _pad: u32,
+}
+
+/// The eBPF-side state of a thread inside a probed call (map value, not a ring record).
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct Inflight {
+    pub ts_ns: u64,
+    pub args: [u64; 6],
+    pub ioctl_ns: u64,
+    /// Attach cookie: API id and flags.
+    pub cookie: u32,
+    pub ioctl_count: u32,
+    /// Probed calls entered while this one runs (their returns are matched by count).
+    pub depth: u32,
+    pub nested: u32,
+}
+
+/// The eBPF-side state of a thread inside an ioctl.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct IoctlStart {
+    pub ts_ns: u64,
+    pub arg: u64,
+    pub fd: u32,
+    pub cmd: u32,
+    pub parent_api: u32,
+    pub _pad: u32,
+}
+
+/// The ioctl type byte of the nvidia RM driver (`'F'`): `/dev/nvidiactl`, `/dev/nvidiaN`.
+pub const NV_IOCTL_MAGIC: u32 = 0x46;
+
+/// `_IOC_TYPE(cmd)`.
+pub const fn ioctl_type(cmd: u32) -> u32 {
+    (cmd >> 8) & 0xff
+}
+
+const _: () = {
+    assert!(core::mem::size_of::<EventHeader>() == 40);
+    assert!(core::mem::size_of::<LaunchEvent>() % 8 == 0);
+    assert!(core::mem::size_of::<CallEvent>() % 8 == 0);
+    assert!(core::mem::size_of::<IoctlEvent>() % 8 == 0);
+};

@@ -1,0 +1,44 @@
+//! Event ABI shared by the gpu-observer eBPF programs and the agent.
+//!
+//! Everything here is `#![no_std]` and `#[repr(C)]` so the eBPF side writes exactly the bytes the
+//! agent reads. The `user` feature adds `aya::Pod` impls and std-only helpers.
+#![no_std]
+
+pub mod api;
+pub mod event;
+
+/// Names of the maps and programs in the eBPF object; the agent looks them up by these.
+pub mod names {
+    pub const EVENTS: &str = "EVENTS";
+    pub const CONFIG: &str = "CONFIG";
+    pub const OBSERVED: &str = "OBSERVED";
+    pub const DROPS: &str = "DROPS";
+    pub const DROPS_BY_PID: &str = "DROPS_BY_PID";
+    pub const PROG_LAUNCH_KERNEL: &str = "launch_kernel";
+    pub const PROG_LAUNCH_KERNEL_EX: &str = "launch_kernel_ex";
+    pub const PROG_GRAPH_LAUNCH: &str = "graph_launch";
+    pub const PROG_API_ENTER: &str = "api_enter";
+    pub const PROG_API_EXIT: &str = "api_exit";
+    pub const PROG_IOCTL_ENTER: &str = "ioctl_enter";
+    pub const PROG_IOCTL_EXIT: &str = "ioctl_exit";
+    pub const PROG_PROCESS_EXIT: &str = "process_exit";
+}
+
+/// Slots of the `CONFIG` array map, written by the agent before attaching.
+pub mod config {
+    /// tgid to observe, 0 = every process.
+    pub const FILTER_TGID: u32 = 0;
+    /// The agent's own tgid: never observed (it loads NVML/CUDA itself later).
+    pub const AGENT_TGID: u32 = 1;
+    pub const LEN: u32 = 4;
+}
+
+/// Bounds of the eBPF hash maps. Bounded so a leak in a probed process can never grow kernel memory.
+pub mod limits {
+    /// Processes observed at once.
+    pub const MAX_PROCESSES: u32 = 16_384;
+    /// Threads inside a probed CUDA call (or an ioctl) at once.
+    pub const MAX_INFLIGHT_THREADS: u32 = 65_536;
+    /// Default ring buffer size (seed 000: 8 MB buffers).
+    pub const DEFAULT_RING_BYTES: u32 = 8 * 1024 * 1024;
+}

@@ -1,0 +1,113 @@
+//! What every probe does first (filter, mark observed) and last (reserve, fill, submit).
+
+use aya_ebpf::{
+    helpers::{bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_ktime_get_ns},
+    maps::ring_buf::RingBufEntry,
+};
+use gpu_observer_common::{
+    config,
+    event::{COMM_LEN, EventHeader, EventKind},
+};
+
+use crate::maps::{CONFIG, DROPS, DROPS_BY_PID, EVENTS, OBSERVED};
+
+const BPF_RB_NO_WAKEUP: u64 = 1;
+const BPF_RB_FORCE_WAKEUP: u64 = 2;
+const BPF_RB_AVAIL_DATA: u64 = 0;
+const BPF_RB_RING_SIZE: u64 = 1;
+
+/// The calling thread's ids.
+#[derive(Clone, Copy)]
+pub struct Ids {
+    pub tgid: u32,
+    pub tid: u32,
+}
+
+#[inline(always)]
+pub fn current() -> Ids {
+    let v = bpf_get_current_pid_tgid();
+    Ids {
+        tgid: (v >> 32) as u32,
+        tid: v as u32,
+    }
+}
+
+#[inline(always)]
+fn config(slot: u32) -> u32 {
+    CONFIG.get(slot).copied().unwrap_or(0)
+}
+
+/// Whether a probed libcuda call of this process is recorded (`--pid` filter, never the agent).
+#[inline(always)]
+pub fn wanted(ids: Ids) -> bool {
+    let filter = config(config::FILTER_TGID);
+    (filter == 0 || filter == ids.tgid) && config(config::AGENT_TGID) != ids.tgid
+}
+
+/// Calls of probed libcuda functions make a process observed: its ioctls are recorded from now on.
+#[inline(always)]
+pub fn mark_observed(ids: Ids) {
+    if OBSERVED.get_ptr(ids.tgid).is_none() {
+        let _ = OBSERVED.insert(ids.tgid, 1, 0);
+    }
+}
+
+#[inline(always)]
+pub fn is_observed(tgid: u32) -> bool {
+    OBSERVED.get_ptr(tgid).is_some()
+}
+
+#[inline(always)]
+pub fn header(kind: EventKind, api: u32, ids: Ids, ts_ns: u64) -> EventHeader {
+    EventHeader {
+        kind: kind as u32,
+        api,
+        pid: ids.tgid,
+        tid: ids.tid,
+        ts_ns,
+        comm: bpf_get_current_comm().unwrap_or([0u8; COMM_LEN]),
+    }
+}
+
+#[inline(always)]
+pub fn now() -> u64 {
+    // SAFETY: helper without preconditions.
+    unsafe { bpf_ktime_get_ns() }
+}
+
+/// Reserves a record, counting it as dropped (per CPU and per process) when the ring is full.
+#[inline(always)]
+pub fn reserve<T: 'static>(kind: EventKind, tgid: u32) -> Option<RingBufEntry<T>> {
+    let entry = EVENTS.reserve::<T>(0);
+    if entry.is_none() {
+        count_drop(kind, tgid);
+    }
+    entry
+}
+
+#[inline(always)]
+fn count_drop(kind: EventKind, tgid: u32) {
+    if let Some(p) = DROPS.get_ptr_mut(kind as u32) {
+        // SAFETY: per-CPU slot, only this CPU writes it while preemption is off in the program.
+        unsafe { *p += 1 };
+    }
+    match DROPS_BY_PID.get_ptr_mut(tgid) {
+        // SAFETY: per-CPU value, only this CPU writes it while the program runs.
+        Some(p) => unsafe { *p += 1 },
+        None => {
+            let _ = DROPS_BY_PID.insert(tgid, 1u64, 0);
+        }
+    }
+}
+
+/// Submits without waking the agent (it polls on a timer, FACTS §3: wakeups cost ~2 µs per
+/// record) unless the ring is half full, so a burst is drained before it overflows.
+#[inline(always)]
+pub fn submit<T>(entry: RingBufEntry<T>) {
+    let filling = EVENTS.query(BPF_RB_AVAIL_DATA) > EVENTS.query(BPF_RB_RING_SIZE) / 2;
+    entry.submit(if filling {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    });
+}

@@ -1,0 +1,94 @@
+//! ioctls of observed processes, from the syscall tracepoints (no kprobes here).
+//!
+//! Recorded: every nvidia RM ioctl (type `'F'`) and any ioctl issued inside a probed CUDA call
+//! (nvidia-uvm numbers have no type byte), each tagged with that call.
+
+use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
+use gpu_observer_common::{
+    api::Flags,
+    event::{EventKind, IoctlEvent, IoctlStart, NV_IOCTL_MAGIC, ioctl_type},
+};
+
+use crate::{
+    emit::{current, header, is_observed, now, reserve, submit},
+    maps::{INFLIGHT, IOCTLS},
+};
+
+// Offsets in the syscalls/sys_{enter,exit}_ioctl records (FACTS §2).
+const ENTER_FD: usize = 16;
+const ENTER_CMD: usize = 24;
+const ENTER_ARG: usize = 32;
+const EXIT_RET: usize = 16;
+
+#[tracepoint]
+pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
+    let ids = current();
+    if !is_observed(ids.tgid) {
+        return 0;
+    }
+    // SAFETY: offsets of the stable syscall tracepoint format.
+    let (fd, cmd, arg) = unsafe {
+        (
+            ctx.read_at::<u64>(ENTER_FD).unwrap_or(0) as u32,
+            ctx.read_at::<u64>(ENTER_CMD).unwrap_or(0) as u32,
+            ctx.read_at::<u64>(ENTER_ARG).unwrap_or(0),
+        )
+    };
+    let parent_api = match INFLIGHT.get_ptr(ids.tid) {
+        // SAFETY: per-thread entry read by its own thread.
+        Some(p) => (unsafe { (*p).cookie }) & Flags::ID_MASK,
+        None => 0,
+    };
+    if parent_api == 0 && ioctl_type(cmd) != NV_IOCTL_MAGIC {
+        return 0;
+    }
+    let start = IoctlStart {
+        ts_ns: now(),
+        arg,
+        fd,
+        cmd,
+        parent_api,
+        _pad: 0,
+    };
+    let _ = IOCTLS.insert(ids.tid, start, 0);
+    0
+}
+
+#[tracepoint]
+pub fn ioctl_exit(ctx: TracePointContext) -> u32 {
+    let ids = current();
+    let Some(p) = IOCTLS.get_ptr(ids.tid) else {
+        return 0;
+    };
+    // SAFETY: per-thread entry read by its own thread.
+    let start = unsafe { *p };
+    let _ = IOCTLS.remove(ids.tid);
+    let end = now();
+    let duration = end - start.ts_ns;
+    if start.parent_api != 0 {
+        if let Some(call) = INFLIGHT.get_ptr_mut(ids.tid) {
+            // SAFETY: per-thread entry, only this thread touches it.
+            unsafe {
+                (*call).ioctl_count += 1;
+                (*call).ioctl_ns += duration;
+            }
+        }
+    }
+    // SAFETY: offset of the stable syscall tracepoint format.
+    let ret = unsafe { ctx.read_at::<i64>(EXIT_RET).unwrap_or(0) };
+    let Some(mut entry) = reserve::<IoctlEvent>(EventKind::Ioctl, ids.tgid) else {
+        return 0;
+    };
+    entry.write(IoctlEvent {
+        hdr: header(EventKind::Ioctl, 0, ids, start.ts_ns),
+        arg: start.arg,
+        duration_ns: duration,
+        ret,
+        fd: start.fd,
+        cmd: start.cmd,
+        parent_api: start.parent_api,
+        _pad: 0,
+    });
+    submit(entry);
+    0
+}

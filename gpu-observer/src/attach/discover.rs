@@ -1,0 +1,149 @@
+//! Finding libcuda in running processes through `/proc/<pid>/maps`.
+//!
+//! Paths are opened through `/proc/<pid>/root` so a library inside a container's mount namespace
+//! is reached from the host; files are told apart by (device, inode), so the copy bind-mounted
+//! into many containers by the NVIDIA toolkit is attached once.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
+
+/// A libcuda file mapped by a process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MappedLibrary {
+    pub pid: u32,
+    /// The path as the process sees it (from its maps).
+    pub path: String,
+    /// The path the agent opens: through the process's root.
+    pub host_path: PathBuf,
+    pub key: FileKey,
+}
+
+/// Identity of a file across mount namespaces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FileKey {
+    pub dev: u64,
+    pub ino: u64,
+}
+
+impl FileKey {
+    pub fn of(path: &Path) -> std::io::Result<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let m = fs::metadata(path)?;
+        Ok(Self {
+            dev: m.dev(),
+            ino: m.ino(),
+        })
+    }
+}
+
+/// Whether a file name is a libcuda (`libcuda.so`, `libcuda.so.1`, `libcuda.so.580.95.05`).
+pub fn is_libcuda(path: &str) -> bool {
+    let name = path.rsplit('/').next().unwrap_or(path);
+    name == "libcuda.so" || name.starts_with("libcuda.so.")
+}
+
+/// The distinct libcuda files a process maps.
+pub fn scan_pid(pid: u32) -> Vec<MappedLibrary> {
+    let Ok(maps) = fs::read(format!("/proc/{pid}/maps")) else {
+        return Vec::new(); // gone, or a kernel thread
+    };
+    let mut found: Vec<MappedLibrary> = Vec::new();
+    // Cheap reject first: most processes never map libcuda.
+    if !contains(&maps, b"libcuda.so") {
+        return found;
+    }
+    for line in maps.split(|&b| b == b'\n') {
+        let Ok(line) = std::str::from_utf8(line) else {
+            continue;
+        };
+        // address perms offset dev inode path
+        let mut fields = line.splitn(6, ' ');
+        let path = fields.nth(5).map(str::trim_start).unwrap_or("");
+        if !path.starts_with('/') || path.ends_with(" (deleted)") || !is_libcuda(path) {
+            continue;
+        }
+        if found.iter().any(|l| l.path == path) {
+            continue;
+        }
+        let host_path = Path::new(&format!("/proc/{pid}/root")).join(path.trim_start_matches('/'));
+        let Ok(key) = FileKey::of(&host_path) else {
+            continue;
+        };
+        if found.iter().any(|l| l.key == key) {
+            continue;
+        }
+        found.push(MappedLibrary {
+            pid,
+            path: path.to_string(),
+            host_path,
+            key,
+        });
+    }
+    found
+}
+
+/// Every process's libcuda files, the agent's own process excluded.
+pub fn scan_all() -> Vec<MappedLibrary> {
+    let me = std::process::id();
+    let Ok(dir) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for entry in dir.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != me {
+            out.extend(scan_pid(pid));
+        }
+    }
+    out
+}
+
+/// Well-known places of the host's libcuda, attached up front so processes started later are
+/// observed from their very first call (`cuInit`), before any scan could see them.
+pub fn well_known() -> Vec<PathBuf> {
+    [
+        "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+        "/usr/lib64/libcuda.so.1",
+        "/usr/lib/libcuda.so.1",
+        "/usr/local/nvidia/lib64/libcuda.so.1",
+        "/usr/local/cuda/compat/libcuda.so.1",
+        "/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+    ]
+    .iter()
+    .map(PathBuf::from)
+    .filter(|p| p.is_file())
+    .collect()
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recognises_libcuda_names_only() {
+        assert!(is_libcuda("/usr/lib/x86_64-linux-gnu/libcuda.so.1"));
+        assert!(is_libcuda("/usr/lib/libcuda.so.580.159.04"));
+        assert!(is_libcuda("libcuda.so"));
+        assert!(!is_libcuda("/usr/lib/libcudart.so.13"));
+        assert!(!is_libcuda("/usr/lib/libcuda_fake.so"));
+        assert!(!is_libcuda("/opt/libcuda.so.1/other.so"));
+    }
+
+    #[test]
+    fn scanning_a_process_without_libcuda_finds_nothing() {
+        assert!(scan_pid(std::process::id()).is_empty());
+        assert!(scan_pid(u32::MAX).is_empty());
+    }
+}

@@ -1,0 +1,209 @@
+//! The terminal view: a per-process table refreshed every second, and the final summary.
+
+use std::{collections::HashMap, fmt::Write as _};
+
+use gpu_observer_common::api::Direction;
+
+use crate::{
+    attach::Drops,
+    correlate::{Correlator, Stats},
+};
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// Keeps the previous counters so each refresh shows rates over the last interval.
+#[derive(Default)]
+pub struct LiveView {
+    prev: HashMap<u32, Stats>,
+}
+
+fn human_bytes(b: u64) -> String {
+    let b = b as f64;
+    if b >= 1024.0 * MIB {
+        format!("{:.1} GiB", b / (1024.0 * MIB))
+    } else if b >= MIB {
+        format!("{:.1} MiB", b / MIB)
+    } else if b >= 1024.0 {
+        format!("{:.1} KiB", b / 1024.0)
+    } else {
+        format!("{b:.0} B")
+    }
+}
+
+impl LiveView {
+    /// Renders the table for an interval of `interval_s` seconds.
+    pub fn render(
+        &mut self,
+        corr: &Correlator,
+        drops: &Drops,
+        interval_s: f64,
+        elapsed_s: f64,
+    ) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "gpu-observer — {:.0} s, {} events, {} dropped{}",
+            elapsed_s,
+            corr.events,
+            drops.total,
+            if drops.total > 0 {
+                "  (ring buffer full: raise --ring-buffer-size)"
+            } else {
+                ""
+            }
+        );
+        let _ = writeln!(
+            out,
+            "{:>8} {:<16} {:>10} {:>22} {:>22} {:>14} {:>10} {:>16}",
+            "PID",
+            "COMM",
+            "LAUNCH/s",
+            "H→D (n, MB/s)",
+            "D→H (n, MB/s)",
+            "D→D/other n/s",
+            "SYNC %",
+            "IOCTL n/s, ms"
+        );
+        let mut next = HashMap::new();
+        for p in corr.sorted() {
+            if p.exited {
+                continue;
+            }
+            let now = &p.stats;
+            let zero = Stats::default();
+            let before = self.prev.get(&p.pid).unwrap_or(&zero);
+            let rate = |n: u64| n as f64 / interval_s;
+            let dir = |d: Direction| {
+                let (a, b) = (now.copy(d), before.copy(d));
+                (
+                    a.count - b.count,
+                    (a.bytes - b.bytes) as f64 / MIB / interval_s,
+                )
+            };
+            let (h2d_n, h2d_mb) = dir(Direction::CpuToGpu);
+            let (d2h_n, d2h_mb) = dir(Direction::GpuToCpu);
+            let other = (now.copy(Direction::GpuToGpu).count + now.copy(Direction::Unknown).count)
+                - (before.copy(Direction::GpuToGpu).count + before.copy(Direction::Unknown).count);
+            let sync_pct = (now.syncs.ns - before.syncs.ns) as f64 / (interval_s * 1e9) * 100.0;
+            let _ = writeln!(
+                out,
+                "{:>8} {:<16} {:>10.0} {:>10.0} {:>11.1} {:>10.0} {:>11.1} {:>14.0} {:>9.1}% {:>8.0} {:>7.2}",
+                p.pid,
+                p.comm,
+                rate(now.launches - before.launches),
+                rate(h2d_n),
+                h2d_mb,
+                rate(d2h_n),
+                d2h_mb,
+                rate(other),
+                sync_pct,
+                rate(now.ioctls.count - before.ioctls.count),
+                (now.ioctls.ns - before.ioctls.ns) as f64 / 1e6
+            );
+            next.insert(p.pid, now.clone());
+        }
+        if corr.procs.is_empty() {
+            out.push_str("(no CUDA activity yet)\n");
+        }
+        self.prev = next;
+        out
+    }
+}
+
+/// The summary printed at exit.
+pub fn final_summary(corr: &Correlator, drops: &Drops, wall_ns: u64) -> String {
+    let mut out = String::new();
+    let wall_s = wall_ns as f64 / 1e9;
+    let _ = writeln!(
+        out,
+        "gpu-observer summary: {:.1} s, {} events, {} dropped, {} processes",
+        wall_s,
+        corr.events,
+        drops.total,
+        corr.procs.len()
+    );
+    if drops.total > 0 {
+        let _ = writeln!(
+            out,
+            "  WARNING: {} records were lost because the ring buffer was full (raise --ring-buffer-size)",
+            drops.total
+        );
+    }
+    for p in corr.sorted() {
+        let s = &p.stats;
+        let dropped = drops.by_pid.get(&p.pid).copied().unwrap_or(0);
+        let _ = writeln!(
+            out,
+            "\npid {} ({}){}: {} events, {} dropped",
+            p.pid,
+            p.comm,
+            if p.exited { ", exited" } else { "" },
+            s.events,
+            dropped
+        );
+        let apis: Vec<String> = s
+            .launch_apis
+            .iter()
+            .map(|(a, n)| format!("{a} {n}"))
+            .collect();
+        let _ = writeln!(
+            out,
+            "  launches      {:>10}   {}",
+            s.launches,
+            apis.join(", ")
+        );
+        for (name, d) in [
+            ("copies H→D", Direction::CpuToGpu),
+            ("copies D→H", Direction::GpuToCpu),
+            ("copies D→D", Direction::GpuToGpu),
+            ("copies other", Direction::Unknown),
+        ] {
+            let a = s.copy(d);
+            if a.count > 0 {
+                let _ = writeln!(
+                    out,
+                    "  {name:<13} {:>10}   {} in {:.3} ms ({:.1} MB/s while copying)",
+                    a.count,
+                    human_bytes(a.bytes),
+                    a.ns as f64 / 1e6,
+                    super::bandwidth_mbps(a.bytes, a.ns)
+                );
+            }
+        }
+        if s.memsets.count > 0 {
+            let _ = writeln!(
+                out,
+                "  memsets       {:>10}   {}",
+                s.memsets.count,
+                human_bytes(s.memsets.bytes)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "  allocs        {:>10}   {} ({} frees, {} outstanding)",
+            s.allocs.count,
+            human_bytes(s.allocs.bytes),
+            s.frees.count,
+            human_bytes(s.outstanding_bytes)
+        );
+        let wall = (p.last_ts.saturating_sub(p.first_ts)).max(1);
+        let _ = writeln!(
+            out,
+            "  syncs         {:>10}   {:.3} ms blocked ({:.1}% of its active time)",
+            s.syncs.count,
+            s.syncs.ns as f64 / 1e6,
+            s.syncs.ns as f64 / wall as f64 * 100.0
+        );
+        let _ = writeln!(
+            out,
+            "  ioctls        {:>10}   {:.3} ms ({} inside CUDA calls)",
+            s.ioctls.count,
+            s.ioctls.ns as f64 / 1e6,
+            s.ioctls_in_calls
+        );
+        if s.failed_calls > 0 {
+            let _ = writeln!(out, "  failed calls  {:>10}", s.failed_calls);
+        }
+    }
+    out
+}

@@ -1,0 +1,263 @@
+//! gpu-observer: see what every CUDA process on this machine does with its GPUs, through eBPF
+//! uprobes on libcuda and syscall tracepoints, with no change to the observed programs.
+//!
+//! Data flow, one module per stage: attach → (eBPF ring buffer) → pipeline (decode → correlate)
+//! → export.
+
+mod attach;
+mod cli;
+mod correlate;
+mod decode;
+mod export;
+mod pipeline;
+mod preflight;
+
+use std::{
+    collections::HashSet,
+    fs::File,
+    io::{BufWriter, IsTerminal, Write},
+    path::Path,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::{
+    attach::{FileKey, Probes, discover},
+    cli::{Cli, Format},
+    export::{jsonl::JsonlWriter, terminal},
+    pipeline::{Reader, Shared},
+};
+
+fn main() {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("gpu-observer: error: cannot start the runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    if let Err(e) = rt.block_on(observe(cli)) {
+        eprintln!("gpu-observer: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn say(msg: impl std::fmt::Display) {
+    eprintln!("gpu-observer: {msg}");
+}
+
+/// Tracks which libcuda files are attached and which processes are known to map one.
+struct Attacher {
+    probes: Probes,
+    pid: Option<u32>,
+    known_pids: HashSet<u32>,
+}
+
+impl Attacher {
+    fn attach(&mut self, path: &Path, key: FileKey, seen_in: Option<u32>) {
+        match self.probes.attach_library(path, key) {
+            Ok(Some(r)) => {
+                let whose = seen_in
+                    .map(|p| format!(", mapped by pid {p}"))
+                    .unwrap_or_default();
+                say(format_args!(
+                    "attached {} ({} entry points, {} probes{whose})",
+                    path.display(),
+                    r.entry_points,
+                    r.probes
+                ));
+                if !r.missing_required.is_empty() {
+                    say(format_args!(
+                        "warning: {} does not export {}: it may not be a real libcuda (its other entry points are still probed)",
+                        path.display(),
+                        r.missing_required.join(", ")
+                    ));
+                }
+                for (name, err) in &r.failed {
+                    say(format_args!(
+                        "warning: could not probe {name} in {}: {err}",
+                        path.display()
+                    ));
+                }
+            }
+            Ok(None) => {}
+            Err(e) => say(format_args!(
+                "warning: cannot attach {}: {e:#}",
+                path.display()
+            )),
+        }
+    }
+
+    /// Finds libcuda in the observed processes; attaches new files, marks new processes.
+    fn rescan(&mut self) -> usize {
+        let libs = match self.pid {
+            Some(pid) => discover::scan_pid(pid),
+            None => discover::scan_all(),
+        };
+        for lib in &libs {
+            if !self.probes.is_attached(&lib.key) {
+                self.attach(&lib.host_path, lib.key, Some(lib.pid));
+            }
+            if self.known_pids.insert(lib.pid) {
+                if let Err(e) = self.probes.observe_pid(lib.pid) {
+                    say(format_args!(
+                        "warning: cannot observe ioctls of pid {}: {e:#}",
+                        lib.pid
+                    ));
+                }
+            }
+        }
+        libs.len()
+    }
+}
+
+async fn observe(cli: Cli) -> Result<()> {
+    for w in preflight::check()? {
+        say(format_args!("warning: {w}"));
+    }
+    if let Some(pid) = cli.pid {
+        if pid == 0 || !Path::new(&format!("/proc/{pid}")).exists() {
+            bail!(
+                "no process with pid {pid}: check it with `ps -p {pid}` (gpu-observer without --pid observes every process)"
+            );
+        }
+    }
+    let probes = Probes::load(cli.ring_buffer_size, cli.pid)?;
+    let mut at = Attacher {
+        probes,
+        pid: cli.pid,
+        known_pids: HashSet::new(),
+    };
+
+    for path in &cli.libcuda {
+        let key = FileKey::of(path).with_context(|| format!("--libcuda {}", path.display()))?;
+        at.attach(path, key, None);
+    }
+    // In --pid mode the process's own mapping is what counts; otherwise pre-attach the host's
+    // driver so new processes are seen from their first call.
+    if cli.pid.is_none() {
+        for path in discover::well_known() {
+            if let Ok(key) = FileKey::of(&path) {
+                at.attach(&path, key, None);
+            }
+        }
+    }
+    let mapped = at.rescan();
+
+    let output = match cli.format {
+        Format::Jsonl => Some(JsonlWriter::new(open_output(cli.output.as_deref())?)),
+        Format::Terminal => None,
+    };
+    let shared = Arc::new(Shared::default());
+    let reader = Reader::spawn(at.probes.take_ring()?, shared.clone(), output)?;
+    let started = Instant::now();
+    say("ready");
+    let mut waiting = mapped == 0;
+    if waiting {
+        match cli.pid {
+            Some(pid) => say(format_args!(
+                "process {pid} has no libcuda mapped yet; waiting for it to load CUDA (checking every {} ms)",
+                cli.interval_ms
+            )),
+            None if at.probes.attached_count() == 0 => say(format_args!(
+                "no libcuda found yet (no process maps one, none in the usual driver paths); waiting (checking every {} ms)",
+                cli.interval_ms
+            )),
+            None => {}
+        }
+    }
+
+    let live =
+        cli.format == Format::Terminal && cli.output.is_none() && std::io::stdout().is_terminal();
+    let mut view = terminal::LiveView::default();
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let interval = Duration::from_millis(cli.interval_ms);
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let deadline = cli
+        .duration
+        .map(|s| started + Duration::from_secs_f64(s.max(0.0)));
+    let mut last_drops = 0;
+    loop {
+        let sleep_until = deadline.map(tokio::time::Instant::from_std);
+        tokio::select! {
+            _ = sigint.recv() => break,
+            _ = sigterm.recv() => break,
+            _ = async { match sleep_until { Some(t) => tokio::time::sleep_until(t).await, None => std::future::pending().await } } => break,
+            _ = tick.tick() => {
+                let mapped = at.rescan();
+                if waiting && mapped > 0 {
+                    waiting = false;
+                }
+                if let Some(pid) = cli.pid {
+                    if !Path::new(&format!("/proc/{pid}")).exists() {
+                        say(format_args!("process {pid} exited"));
+                        break;
+                    }
+                }
+                let drops = at.probes.drops().unwrap_or_default();
+                if drops.total > last_drops {
+                    say(format_args!(
+                        "warning: ring buffer full: {} records dropped so far; raise --ring-buffer-size (now {} bytes) or narrow with --pid",
+                        drops.total, cli.ring_buffer_size
+                    ));
+                    last_drops = drops.total;
+                }
+                if live {
+                    let corr = shared.corr.lock().expect("correlator lock");
+                    let text = view.render(&corr, &drops, interval.as_secs_f64(), started.elapsed().as_secs_f64());
+                    drop(corr);
+                    print!("\x1b[H\x1b[2J{text}");
+                    let _ = std::io::stdout().flush();
+                }
+            }
+        }
+    }
+
+    let output = reader.stop()?;
+    let drops = at.probes.drops()?;
+    let wall_ns = started.elapsed().as_nanos() as u64;
+    let corr = shared.corr.lock().expect("correlator lock");
+    let unattributed = drops
+        .by_pid
+        .iter()
+        .filter(|(pid, _)| !corr.procs.contains_key(pid))
+        .map(|(_, n)| n)
+        .sum();
+    let text = terminal::final_summary(&corr, &drops, wall_ns);
+    match output {
+        Some(mut out) => {
+            out.summary(&corr, &drops, wall_ns, unattributed)?;
+            out.into_inner().flush()?;
+            say(format_args!(
+                "{} events, {} dropped",
+                corr.events, drops.total
+            ));
+        }
+        None => {
+            let mut out = open_output(cli.output.as_deref())?;
+            out.write_all(text.as_bytes())?;
+            out.flush()?;
+        }
+    }
+    Ok(())
+}
+
+fn open_output(path: Option<&Path>) -> Result<Box<dyn Write + Send>> {
+    Ok(match path {
+        Some(p) => Box::new(BufWriter::with_capacity(
+            1 << 16,
+            File::create(p).with_context(|| format!("cannot create --output {}", p.display()))?,
+        )),
+        None => Box::new(BufWriter::with_capacity(1 << 16, std::io::stdout())),
+    })
+}

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Write BENCH.md from the three launch_bench runs of gpu/bench.sh.
+
+usage: bench_report.py --base1 B1.json --with W.json --base2 B2.json
+                       --events OBSERVER.jsonl --out BENCH.md
+                       [--env ENV.json] [--summary-json S.json]
+
+Reports ns/launch (median over rounds) without / with / again without the
+observer, the ratio with / mean(baselines), the overhead in microseconds per
+launch, the observer's summary (events, dropped) and how many of the
+benchmark's timed launches the observer captured for its pid.
+"""
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+
+
+def load(path):
+    with open(path, "r", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def as_int(v):
+    try:
+        return int(v, 0) if isinstance(v, str) else int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def scan_events(path, pid, windows):
+    """Return (summary, launches captured in windows for pid, total lines,
+    launch APIs for pid in windows)."""
+    summary = None
+    lines = 0
+    captured = 0
+    apis = Counter()
+    pid_seen = False
+    if not path or not os.path.exists(path):
+        return None, None, 0, apis, False
+    with open(path, "r", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            lines += 1
+            # cheap pre-filter: only launch and summary lines matter
+            if '"launch"' not in line and '"summary"' not in line:
+                continue
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            typ = ev.get("type")
+            if typ == "summary":
+                summary = ev
+                continue
+            if typ != "launch" or as_int(ev.get("pid")) != pid:
+                continue
+            pid_seen = True
+            ts = as_int(ev.get("ts_ns"))
+            if ts is None:
+                continue
+            for s, e in windows:
+                if s <= ts <= e:
+                    captured += 1
+                    apis[str(ev.get("api"))] += 1
+                    break
+    return summary, captured, lines, apis, pid_seen
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base1", required=True)
+    ap.add_argument("--with", dest="with_", required=True)
+    ap.add_argument("--base2", required=True)
+    ap.add_argument("--events", default=None)
+    ap.add_argument("--env", default=None)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--summary-json", default=None)
+    a = ap.parse_args()
+
+    b1, w, b2 = load(a.base1), load(a.with_), load(a.base2)
+    env = {}
+    if a.env and os.path.exists(a.env):
+        env = load(a.env)
+    n1, nw, n2 = (float(x["ns_per_launch_median"]) for x in (b1, w, b2))
+    base = (n1 + n2) / 2.0
+    ratio = nw / base if base > 0 else float("nan")
+    overhead_us = (nw - base) / 1000.0
+    L = int(w.get("launches_per_round", 0))
+    R = len(w.get("rounds", []))
+    windows = list(zip(w.get("window_start_ns", []), w.get("window_end_ns", [])))
+    summary, captured, lines, apis, pid_seen = scan_events(a.events, int(w["pid"]), windows)
+    expected = L * R
+    drift = abs(n1 - n2) / base * 100.0 if base > 0 else float("nan")
+
+    def rounds(x):
+        return ", ".join(f"{r:.0f}" for r in x.get("rounds", []))
+
+    md = ["# gpu-observer launch overhead benchmark", ""]
+    md.append(f"Date: {env.get('date_utc', '?')}; GPU: {env.get('gpu', '?')}; "
+              f"driver {env.get('driver', '?')}; CUDA {env.get('cuda_driver_api', '?')}; "
+              f"nvcc {env.get('nvcc', '?')}; kernel {env.get('kernel', '?')}; "
+              f"observer commit {env.get('observer_commit', '?')}.")
+    md.append("")
+    md.append(f"Workload: `gpu/workloads/launch_bench.cu` (cudart static): {R} rounds of "
+              f"{L} back-to-back `empty_kernel<<<1,1>>>()` launches on the default stream, "
+              "CLOCK_MONOTONIC around the launch loop only (the draining "
+              "`cudaDeviceSynchronize` is outside the timed region); value = median over "
+              "rounds of ns per launch. The observer runs in all-process mode writing JSONL to "
+              "a file in /tmp.")
+    md.append("")
+    md.append("| run | ns/launch (median) | rounds (ns/launch) |")
+    md.append("|---|---:|---|")
+    md.append(f"| without observer (before) | {n1:.1f} | {rounds(b1)} |")
+    md.append(f"| **with observer** | **{nw:.1f}** | {rounds(w)} |")
+    md.append(f"| without observer (after) | {n2:.1f} | {rounds(b2)} |")
+    md.append("")
+    md.append("| metric | value |")
+    md.append("|---|---:|")
+    md.append(f"| mean baseline ns/launch | {base:.1f} |")
+    md.append(f"| ratio with / mean baseline | {ratio:.2f}x |")
+    md.append(f"| overhead per launch | {overhead_us:.3f} µs |")
+    md.append(f"| baseline drift (before vs after) | {drift:.1f}% |")
+    if summary is not None:
+        md.append(f"| observer summary: events (all processes) | {summary.get('events')} |")
+        md.append(f"| observer summary: dropped | {summary.get('dropped')} |")
+    else:
+        md.append("| observer summary | missing (observer not stopped cleanly?) |")
+    if captured is not None:
+        pctv = f"{100.0 * captured / expected:.2f}%" if expected else "n/a"
+        md.append(f"| timed launches captured for the bench pid | {captured} / {expected} ({pctv}) |")
+        md.append(f"| observer JSONL lines | {lines} |")
+    md.append("")
+    if apis:
+        md.append("Launch APIs captured in the timed windows: " +
+                  ", ".join(f"`{k}` ({v})" for k, v in apis.most_common()) + ".")
+        md.append("")
+    if captured is not None and not pid_seen:
+        md.append("> WARN: no launch event carried the benchmark's pid (PID namespace?).")
+        md.append("")
+    md.append("Launches are asynchronous: once the launch queue is full the loop is paced by "
+              "the GPU, so a small per-launch CPU overhead can be partly hidden; the ratio is "
+              "an upper-level, end-to-end number for a launch-bound program.")
+    md.append("")
+    with open(a.out, "w", encoding="utf-8") as f:
+        f.write("\n".join(md))
+
+    summ = {"ns_per_launch_without_before": n1, "ns_per_launch_with": nw,
+            "ns_per_launch_without_after": n2, "ratio": ratio,
+            "overhead_us_per_launch": overhead_us,
+            "observer_events": summary.get("events") if summary else None,
+            "observer_dropped": summary.get("dropped") if summary else None,
+            "captured_launches": captured, "expected_launches": expected}
+    if a.summary_json:
+        with open(a.summary_json, "w", encoding="utf-8") as f:
+            json.dump(summ, f, indent=1)
+            f.write("\n")
+    print(f"bench: without {n1:.1f} ns/launch, with {nw:.1f}, without again {n2:.1f}; "
+          f"ratio {ratio:.2f}x; overhead {overhead_us:.3f} us/launch")
+    print(f"bench: observer events={summ['observer_events']} dropped={summ['observer_dropped']}; "
+          f"captured {captured}/{expected} timed launches for pid {w['pid']}")
+    print(f"bench: wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

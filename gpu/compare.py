@@ -1,0 +1,436 @@
+#!/usr/bin/env python3
+"""Compare a workload's own counts with what gpu-observer captured.
+
+usage:
+  compare.py --workload W.json --events RUN.jsonl[.gz] --name NAME
+             [--title TITLE] [--comm-hint PREFIX]
+             [--section-out RUN.section.md] [--result-out RUN.result.json]
+
+W.json is written by one of the workloads in gpu/workloads/:
+  copies_kernels: {"pid","loop_start_ns","loop_end_ns","launches","htod","dtoh",
+                   "htod_bytes","dtoh_bytes","stream_syncs",...}
+  torch_loop:     {"pid","phaseA":{"start_ns","end_ns","launches","htod","dtoh",...},
+                   "phaseB":{"start_ns","end_ns","profiler_kernels",
+                             "profiler_memcpy","profiler_memset",...}}
+
+Selection: events whose "pid" equals the workload's pid (if none carry that pid,
+e.g. because of a PID namespace, the pid with the most events among those whose
+"comm" starts with --comm-hint is used, with a warning) and whose ts_ns lies in
+[start_ns, end_ns] of the window.
+
+Strict checks (any mismatch -> exit 1): kernel launches, HtoD and DtoH copy
+counts and bytes (exact windows), and for the profiler window launches vs
+CUPTI kernels and copies vs CUPTI memcpys.  Stream syncs, memsets and the
+per-thread-default-stream (_ptsz) API check are reported but not fatal.
+
+Exit status: 0 all strict checks pass, 1 a strict check failed, 2 bad input.
+"""
+
+import argparse
+import gzip
+import json
+import os
+import sys
+from collections import Counter, defaultdict
+
+LAUNCH_APIS = {
+    "cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel", "cuGraphLaunch",
+    "cuLaunchKernel_ptsz", "cuLaunchKernelEx_ptsz", "cuLaunchCooperativeKernel_ptsz",
+    "cuGraphLaunch_ptsz",
+}
+HTOD = "cpu_to_gpu"
+DTOH = "gpu_to_cpu"
+
+
+def eprint(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def open_text(path):
+    if path.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
+    return open(path, "r", encoding="utf-8", errors="replace")
+
+
+def as_int(v, default=None):
+    if v is None:
+        return default
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float):
+        return int(v)
+    if isinstance(v, str):
+        try:
+            return int(v, 0)
+        except ValueError:
+            try:
+                return int(float(v))
+            except ValueError:
+                return default
+    return default
+
+
+def pct(expected, captured):
+    if expected is None or captured is None:
+        return "n/a"
+    if expected == 0:
+        return "100.0%" if captured == 0 else "n/a"
+    return f"{100.0 * captured / expected:.1f}%"
+
+
+# ---------------------------------------------------------------- windows
+
+
+class Window:
+    def __init__(self, key, label, start, end, expected, kind):
+        self.key = key
+        self.label = label
+        self.start = start
+        self.end = end
+        self.expected = expected  # dict
+        self.kind = kind  # "exact" | "profiler"
+
+
+def windows_from_workload(w):
+    wins = []
+    if "loop_start_ns" in w:
+        exp = {k: w.get(k) for k in ("launches", "htod", "dtoh", "htod_bytes", "dtoh_bytes",
+                                     "stream_syncs", "device_syncs")}
+        exp["ptds"] = bool(w.get("per_thread_default_stream", False))
+        wins.append(Window("loop", "measured loop", as_int(w["loop_start_ns"]),
+                           as_int(w["loop_end_ns"]), exp, "exact"))
+    if "phaseA" in w:
+        a = w["phaseA"]
+        exp = {k: a.get(k) for k in ("launches", "htod", "dtoh", "htod_bytes", "dtoh_bytes",
+                                     "stream_syncs")}
+        exp["ptds"] = False
+        wins.append(Window("phaseA", "phase A (exact by construction)", as_int(a["start_ns"]),
+                           as_int(a["end_ns"]), exp, "exact"))
+    if "phaseB" in w:
+        b = w["phaseB"]
+        exp = {"launches": b.get("profiler_kernels"), "copies": b.get("profiler_memcpy"),
+               "memsets": b.get("profiler_memset"),
+               "method": b.get("profiler_count_method", "?")}
+        wins.append(Window("phaseB", "phase B (training loop vs torch.profiler/CUPTI)",
+                           as_int(b["start_ns"]), as_int(b["end_ns"]), exp, "profiler"))
+    for win in wins:
+        if win.start is None or win.end is None or win.end < win.start:
+            raise ValueError(f"bad window {win.key}: {win.start}..{win.end}")
+    return wins
+
+
+# ---------------------------------------------------------------- scan
+
+
+class Stats:
+    def __init__(self):
+        self.by_type_api = Counter()
+        self.launches = 0
+        self.launch_apis = Counter()
+        self.launch_kernels = Counter()
+        self.launch_streams = Counter()
+        self.memcpy_dir = Counter()
+        self.memcpy_bytes = Counter()
+        self.memcpy_dir_api = Counter()
+        self.memcpy_async = Counter()
+        self.memsets = 0
+        self.memset_bytes = 0
+        self.sync_apis = Counter()
+        self.ioctls = 0
+        self.ioctl_parent = Counter()
+
+    def add(self, ev):
+        typ = str(ev.get("type", "?"))
+        api = str(ev.get("api", "") or "")
+        self.by_type_api[(typ, api or "-")] += 1
+        if typ == "launch":
+            self.launches += 1
+            self.launch_apis[api] += 1
+            name = ev.get("kernel", ev.get("function"))
+            self.launch_kernels[str(name) if name is not None else "?"] += 1
+            self.launch_streams[str(ev.get("stream"))] += 1
+        elif typ == "memcpy":
+            d = str(ev.get("direction", "unknown"))
+            self.memcpy_dir[d] += 1
+            self.memcpy_bytes[d] += as_int(ev.get("bytes"), 0) or 0
+            self.memcpy_dir_api[(d, api)] += 1
+            self.memcpy_async[(d, bool(ev.get("async", False)))] += 1
+        elif typ == "memset":
+            self.memsets += 1
+            self.memset_bytes += as_int(ev.get("bytes"), 0) or 0
+        elif typ == "sync":
+            self.sync_apis[api] += 1
+        elif typ == "ioctl":
+            self.ioctls += 1
+            self.ioctl_parent[str(ev.get("parent_api"))] += 1
+
+    @property
+    def copies(self):
+        return sum(self.memcpy_dir.values())
+
+
+def scan(path, wins):
+    """One pass over the JSONL. Keep in-window events of every pid (windows
+    are short) plus per-pid totals, so the pid can be resolved afterwards."""
+    in_win = [defaultdict(list) for _ in wins]  # per window: pid -> [events]
+    pid_total = Counter()
+    pid_comms = defaultdict(Counter)
+    pid_apis = defaultdict(Counter)
+    summary = None
+    lines = bad = no_ts = 0
+    lo = min(w.start for w in wins)
+    hi = max(w.end for w in wins)
+    with open_text(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            lines += 1
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                bad += 1
+                continue
+            if not isinstance(ev, dict):
+                bad += 1
+                continue
+            if ev.get("type") == "summary":
+                summary = ev
+                continue
+            pid = as_int(ev.get("pid"))
+            pid_total[pid] += 1
+            comm = ev.get("comm")
+            if comm is not None:
+                pid_comms[pid][str(comm)] += 1
+            api = ev.get("api")
+            if api:
+                pid_apis[pid][(str(ev.get("type", "?")), str(api))] += 1
+            ts = as_int(ev.get("ts_ns"))
+            if ts is None:
+                no_ts += 1
+                continue
+            if ts < lo or ts > hi:
+                continue
+            for i, w in enumerate(wins):
+                if w.start <= ts <= w.end:
+                    in_win[i][pid].append(ev)
+    return {"in_win": in_win, "pid_total": pid_total, "pid_comms": pid_comms,
+            "pid_apis": pid_apis, "summary": summary, "lines": lines, "bad": bad,
+            "no_ts": no_ts}
+
+
+def resolve_pid(want_pid, comm_hint, sc, notes):
+    if sc["pid_total"].get(want_pid, 0) > 0:
+        return want_pid
+    notes.append(f"WARN: no event carries the workload's pid {want_pid}")
+    if comm_hint:
+        hint = comm_hint[:15].lower()
+        cands = [p for p, comms in sc["pid_comms"].items()
+                 if any(c.lower().startswith(hint) for c in comms)]
+        if cands:
+            # prefer the candidate with the most in-window events
+            def score(p):
+                return (sum(len(d.get(p, [])) for d in sc["in_win"]), sc["pid_total"][p])
+            best = max(cands, key=score)
+            notes.append(f"WARN: falling back to pid {best} (comm starts with '{hint}'; "
+                         f"PID namespace mismatch?)")
+            return best
+    top = ", ".join(f"{p}:{n}({'/'.join(c for c, _ in sc['pid_comms'][p].most_common(2))})"
+                    for p, n in sc["pid_total"].most_common(8))
+    notes.append(f"pids seen (pid:events(comm)): {top or 'none'}")
+    return want_pid
+
+
+# ---------------------------------------------------------------- checks
+
+
+def build_checks(win, st):
+    """Return list of (metric, expected, captured, strict)."""
+    e = win.expected
+    rows = []
+    if win.kind == "exact":
+        rows.append(("kernel launches", as_int(e.get("launches")), st.launches, True))
+        rows.append(("HtoD copies", as_int(e.get("htod")), st.memcpy_dir[HTOD], True))
+        rows.append(("DtoH copies", as_int(e.get("dtoh")), st.memcpy_dir[DTOH], True))
+        if e.get("htod_bytes") is not None:
+            rows.append(("HtoD bytes", as_int(e["htod_bytes"]), st.memcpy_bytes[HTOD], True))
+        if e.get("dtoh_bytes") is not None:
+            rows.append(("DtoH bytes", as_int(e["dtoh_bytes"]), st.memcpy_bytes[DTOH], True))
+        other = st.copies - st.memcpy_dir[HTOD] - st.memcpy_dir[DTOH]
+        rows.append(("other copies (DtoD/unknown)", 0, other, False))
+        if e.get("stream_syncs") is not None:
+            ss = sum(n for a, n in st.sync_apis.items() if a.startswith("cuStreamSynchronize"))
+            rows.append(("cuStreamSynchronize*", as_int(e["stream_syncs"]), ss, False))
+        if e.get("device_syncs") is not None:
+            ds = sum(n for a, n in st.sync_apis.items() if a.startswith("cuCtxSynchronize"))
+            rows.append(("cuCtxSynchronize*", as_int(e["device_syncs"]), ds, False))
+        if e.get("ptds"):
+            pt = sum(n for a, n in st.launch_apis.items() if a.endswith("_ptsz"))
+            rows.append(("launches via *_ptsz API", as_int(e.get("launches")), pt, False))
+    else:
+        rows.append(("kernel launches vs CUPTI kernels", as_int(e.get("launches")),
+                     st.launches, True))
+        rows.append(("memcpy (all directions) vs CUPTI memcpy", as_int(e.get("copies")),
+                     st.copies, True))
+        rows.append(("memset vs CUPTI memset", as_int(e.get("memsets")), st.memsets, False))
+    return rows
+
+
+def fmt_table(headers, rows, align=None):
+    """Markdown table (also readable on a console)."""
+    align = align or ["---"] * len(headers)
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join(align) + "|"]
+    for r in rows:
+        out.append("| " + " | ".join(str(c) for c in r) + " |")
+    return "\n".join(out)
+
+
+def top_items(counter, n=6):
+    return ", ".join(f"`{k}` ({v})" for k, v in counter.most_common(n)) or "none"
+
+
+def main():
+    ap = argparse.ArgumentParser(description="compare workload counts with observer JSONL")
+    ap.add_argument("--workload", required=True, help="workload JSON")
+    ap.add_argument("--events", required=True, help="observer JSONL (.gz ok)")
+    ap.add_argument("--name", required=True, help="short run name")
+    ap.add_argument("--title", default=None, help="section title")
+    ap.add_argument("--comm-hint", default=None, help="comm prefix for pid fallback")
+    ap.add_argument("--section-out", default=None, help="write Markdown section here")
+    ap.add_argument("--result-out", default=None, help="write JSON result here")
+    a = ap.parse_args()
+
+    try:
+        with open(a.workload, "r", encoding="utf-8") as f:
+            w = json.load(f)
+        wins = windows_from_workload(w)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        eprint(f"compare: cannot use workload JSON {a.workload}: {exc}")
+        return 2
+    if not wins:
+        eprint(f"compare: no window found in {a.workload}")
+        return 2
+    if not os.path.exists(a.events):
+        eprint(f"compare: events file {a.events} does not exist")
+        return 2
+
+    sc = scan(a.events, wins)
+    notes = []
+    pid = resolve_pid(as_int(w.get("pid")), a.comm_hint, sc, notes)
+    summ = sc["summary"]
+    if summ is None:
+        notes.append("WARN: no `summary` line in the observer output (not stopped cleanly?)")
+    else:
+        dropped = as_int(summ.get("dropped"), 0) or 0
+        if dropped:
+            notes.append(f"WARN: observer reports dropped={dropped}")
+    if sc["bad"]:
+        notes.append(f"WARN: {sc['bad']} unparsable JSONL lines")
+    if sc["no_ts"]:
+        notes.append(f"WARN: {sc['no_ts']} events without ts_ns")
+
+    title = a.title or a.name
+    overall_ok = True
+    md = [f"### {title}", ""]
+    con = [f"== compare {a.name}: pid {pid}, {sc['lines']} JSONL lines, "
+           f"{sc['pid_total'].get(pid, 0)} events for pid"]
+    result = {"name": a.name, "title": title, "pid": pid, "windows": [],
+              "summary": summ, "notes": notes}
+
+    comms = sc["pid_comms"].get(pid, Counter())
+    md.append(f"Workload pid {pid} (comm: {', '.join(f'`{c}`' for c, _ in comms.most_common(4)) or '?'}); "
+              f"{sc['pid_total'].get(pid, 0)} observer events for this pid over the whole run.")
+    md.append("")
+
+    for i, win in enumerate(wins):
+        st = Stats()
+        for ev in sc["in_win"][i].get(pid, []):
+            st.add(ev)
+        rows = build_checks(win, st)
+        ok = all(exp == cap for (_, exp, cap, strict) in rows if strict)
+        overall_ok = overall_ok and ok
+        dur_ms = (win.end - win.start) / 1e6
+        status = "PASS" if ok else "FAIL"
+        table_rows = []
+        for metric, exp, cap, strict in rows:
+            mark = "ok" if exp == cap else ("**MISMATCH**" if strict else "differs (info)")
+            table_rows.append((metric, "?" if exp is None else exp, cap, pct(exp, cap), mark))
+        md.append(f"#### {win.label}: **{status}**")
+        md.append("")
+        extra = f"; expected counts from `{win.expected.get('method')}`" if win.kind == "profiler" else ""
+        md.append(f"Window {dur_ms:.1f} ms{extra}.")
+        md.append("")
+        md.append(fmt_table(["metric", "expected", "captured", "%", "check"], table_rows,
+                            ["---", "---:", "---:", "---:", "---"]))
+        md.append("")
+        hist = sorted(st.by_type_api.items(), key=lambda kv: (kv[0][0], -kv[1], kv[0][1]))
+        md.append("Per-API events inside the window:")
+        md.append("")
+        md.append(fmt_table(["type", "api", "count"],
+                            [(t, f"`{api}`", n) for (t, api), n in hist],
+                            ["---", "---", "---:"]) if hist else "_no events in window_")
+        md.append("")
+        md.append(f"- launch APIs: {top_items(st.launch_apis)}")
+        md.append(f"- launch streams: {top_items(st.launch_streams, 4)}")
+        md.append(f"- kernels: {top_items(st.launch_kernels, 5)}")
+        if st.memcpy_dir_api:
+            md.append("- memcpy (direction/api): " + ", ".join(
+                f"{d} `{api}` ({n})" for (d, api), n in st.memcpy_dir_api.most_common(8)))
+        if st.ioctls:
+            md.append(f"- ioctls: {st.ioctls}, by parent_api: {top_items(st.ioctl_parent, 6)}")
+        md.append("")
+
+        con.append(f"-- {win.key} [{status}] window {dur_ms:.1f} ms")
+        for metric, exp, cap, strict in rows:
+            flag = "" if exp == cap else ("  <-- MISMATCH" if strict else "  (info)")
+            con.append(f"   {metric:<42} expected {str(exp):>9}  captured {cap:>9}  "
+                       f"{pct(exp, cap):>7}{flag}")
+        con.append("   per-API in window: " + ", ".join(
+            f"{t}/{api}={n}" for (t, api), n in st.by_type_api.most_common(12)))
+        result["windows"].append({
+            "key": win.key, "status": status, "duration_ms": dur_ms,
+            "checks": [{"metric": m, "expected": e, "captured": c, "strict": s}
+                       for m, e, c, s in rows],
+            "per_api": {f"{t}/{api}": n for (t, api), n in st.by_type_api.items()},
+            "launch_apis": dict(st.launch_apis),
+        })
+
+    all_apis = sc["pid_apis"].get(pid, Counter())
+    launch_names = sorted({api for (t, api) in all_apis if t == "launch"})
+    md.append("APIs seen for this pid over the whole run (type/api: count): " + (", ".join(
+        f"{t}/`{api}` ({n})" for (t, api), n in sorted(all_apis.items())) or "none") + ".")
+    md.append("")
+    md.append("Launch API names seen: " + (", ".join(f"`{n}`" for n in launch_names) or "none") + ".")
+    md.append("")
+    if summ is not None:
+        fields = ", ".join(f"{k}={v}" for k, v in summ.items()
+                           if k not in ("type",) and not isinstance(v, (dict, list)))
+        md.append(f"Observer summary (all processes): {fields}.")
+        md.append("")
+    for n in notes:
+        md.append(f"> {n}")
+        md.append("")
+    result["status"] = "PASS" if overall_ok else "FAIL"
+    result["launch_api_names"] = launch_names
+
+    con.append(f"   launch API names seen (whole run): {', '.join(launch_names) or 'none'}")
+    if summ is not None:
+        con.append(f"   observer summary: events={summ.get('events')} dropped={summ.get('dropped')}")
+    con.extend("   " + n for n in notes)
+    con.append(f"== {a.name}: {result['status']}")
+    print("\n".join(con), flush=True)
+
+    if a.section_out:
+        with open(a.section_out, "w", encoding="utf-8") as f:
+            f.write("\n".join(md) + "\n")
+    if a.result_out:
+        with open(a.result_out, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1, default=str)
+            f.write("\n")
+    return 0 if overall_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

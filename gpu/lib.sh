@@ -1,0 +1,177 @@
+# shellcheck shell=bash
+# Shared helpers for gpu/validate.sh and gpu/bench.sh (sourced, not executed).
+#
+# Provides: log/warn/die, require_root, find_nvcc, gpu_sm_arch, resolve_observer,
+# start_observer/stop_observer (background observer lifecycle; OBS_PID, OBS_RC),
+# and install_traps (the observer is always stopped on exit/INT/TERM).
+
+READY_TIMEOUT=${READY_TIMEOUT:-60}   # seconds to wait for "gpu-observer: ready"
+STOP_TIMEOUT=${STOP_TIMEOUT:-30}     # seconds to wait after SIGINT
+READY_LINE='gpu-observer: ready'
+OBS_PID=""
+# shellcheck disable=SC2034  # read by the scripts that source this file
+OBS_RC=""
+_T0=$SECONDS
+
+log() { printf '[%4ds] %s\n' "$((SECONDS - _T0))" "$*"; }
+warn() { log "WARN: $*"; }
+die() {
+    log "ERROR: $*" >&2
+    exit 1
+}
+
+require_root() {
+    if [[ $(id -u) -ne 0 ]]; then
+        if [[ ${ALLOW_NONROOT:-0} == 1 ]]; then
+            warn "not root; the observer will probably fail to attach uprobes"
+        else
+            die "run as root: gpu-observer attaches eBPF uprobes (or set ALLOW_NONROOT=1)"
+        fi
+    fi
+}
+
+require_tools() {
+    local t
+    for t in "$@"; do
+        command -v "$t" >/dev/null 2>&1 || die "required tool '$t' not found in PATH"
+    done
+}
+
+# Echo the nvcc to use: $NVCC, then PATH, then /usr/local/cuda/bin/nvcc.
+find_nvcc() {
+    if [[ -n ${NVCC:-} ]]; then
+        [[ -x $NVCC ]] || command -v "$NVCC" >/dev/null 2>&1 || die "NVCC=$NVCC is not executable"
+        echo "$NVCC"
+    elif command -v nvcc >/dev/null 2>&1; then
+        command -v nvcc
+    elif [[ -x /usr/local/cuda/bin/nvcc ]]; then
+        echo /usr/local/cuda/bin/nvcc
+    else
+        die "nvcc not found (set NVCC=/path/to/nvcc or add /usr/local/cuda/bin to PATH)"
+    fi
+}
+
+# Echo sm_XY for GPU 0 ($CUDA_ARCH overrides, e.g. CUDA_ARCH=sm_90).
+gpu_sm_arch() {
+    if [[ -n ${CUDA_ARCH:-} ]]; then
+        echo "$CUDA_ARCH"
+        return
+    fi
+    local cap
+    cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | sed -n 1p | tr -d ' .\r') || cap=""
+    if [[ $cap =~ ^[0-9]+$ ]]; then
+        echo "sm_$cap"
+    else
+        warn "could not read compute_cap from nvidia-smi ('$cap'); assuming sm_90" >&2
+        echo sm_90
+    fi
+}
+
+# Make $OBSERVER absolute; relative paths are tried against $PWD then the repo root.
+resolve_observer() {
+    local repo_root=$1
+    OBSERVER=${OBSERVER:-.gpu-bundle/gpu-observer}
+    if [[ $OBSERVER != /* ]]; then
+        if [[ -e $PWD/$OBSERVER ]]; then
+            OBSERVER=$PWD/$OBSERVER
+        elif [[ -e $repo_root/$OBSERVER ]]; then
+            OBSERVER=$repo_root/$OBSERVER
+        elif command -v "$OBSERVER" >/dev/null 2>&1; then
+            OBSERVER=$(command -v "$OBSERVER")
+        fi
+    fi
+    [[ -e $OBSERVER ]] || die "observer binary not found: $OBSERVER (set OBSERVER=/path/to/gpu-observer)"
+    [[ -x $OBSERVER ]] || chmod +x "$OBSERVER" 2>/dev/null || true
+    [[ -x $OBSERVER ]] || die "observer binary is not executable: $OBSERVER"
+    export OBSERVER
+}
+
+# True if pid exists and is not a zombie (a finished-but-unreaped child of
+# ours is a zombie, and kill -0 would still succeed on it).
+proc_alive() {
+    local st
+    [[ -r /proc/$1/stat ]] || return 1
+    st=$(sed -E 's/^.*\) ([A-Za-z]).*$/\1/' "/proc/$1/stat" 2>/dev/null) || return 1
+    [[ -n $st && $st != Z && $st != X ]]
+}
+
+# start_observer JSONL ERRFILE [extra observer args...]
+# Starts the observer in the background (all processes unless --pid is
+# passed), waits for the ready line on its stderr.  Returns 1 on failure.
+start_observer() {
+    local jsonl=$1 err=$2
+    shift 2
+    rm -f "$jsonl" "$err"
+    # Job control on while forking: a non-interactive shell would otherwise
+    # start the background job with SIGINT ignored.
+    set -m
+    "$OBSERVER" --format jsonl --output "$jsonl" "$@" </dev/null >"${err%.err}.obs.out" 2>"$err" &
+    OBS_PID=$!
+    set +m
+    local i
+    for ((i = 0; i < READY_TIMEOUT * 10; i++)); do
+        if grep -qF "$READY_LINE" "$err" 2>/dev/null; then
+            log "observer pid $OBS_PID ready after $((i / 10)).$((i % 10)) s"
+            return 0
+        fi
+        if ! proc_alive "$OBS_PID"; then
+            local rc=0
+            wait "$OBS_PID" 2>/dev/null || rc=$?
+            OBS_PID=""
+            warn "observer exited before becoming ready (rc=$rc); last stderr lines:"
+            tail -n 20 "$err" 2>/dev/null | sed 's/^/    /' || true
+            return 1
+        fi
+        sleep 0.1
+    done
+    warn "observer not ready after ${READY_TIMEOUT} s; last stderr lines:"
+    tail -n 20 "$err" 2>/dev/null | sed 's/^/    /' || true
+    stop_observer
+    return 1
+}
+
+# SIGINT, wait up to STOP_TIMEOUT s, then SIGTERM (5 s), then SIGKILL.
+# Sets OBS_RC to the observer's exit status. Never fails.
+stop_observer() {
+    [[ -n $OBS_PID ]] || return 0
+    local pid=$OBS_PID i rc=0
+    if proc_alive "$pid"; then
+        kill -INT "$pid" 2>/dev/null || true
+        for ((i = 0; i < STOP_TIMEOUT * 10; i++)); do
+            proc_alive "$pid" || break
+            sleep 0.1
+        done
+        if proc_alive "$pid"; then
+            warn "observer still running ${STOP_TIMEOUT} s after SIGINT; sending SIGTERM"
+            kill -TERM "$pid" 2>/dev/null || true
+            for ((i = 0; i < 50; i++)); do
+                proc_alive "$pid" || break
+                sleep 0.1
+            done
+        fi
+        if proc_alive "$pid"; then
+            warn "observer ignored SIGTERM; sending SIGKILL (no summary line will be written)"
+            kill -KILL "$pid" 2>/dev/null || true
+        fi
+    fi
+    wait "$pid" 2>/dev/null || rc=$?
+    OBS_PID=""
+    # shellcheck disable=SC2034
+    OBS_RC=$rc
+    return 0
+}
+
+_on_exit() {
+    local rc=$?
+    if [[ -n $OBS_PID ]]; then
+        log "cleanup: stopping observer pid $OBS_PID"
+        stop_observer
+    fi
+    exit "$rc"
+}
+
+install_traps() {
+    trap _on_exit EXIT
+    trap 'log "interrupted"; exit 130' INT
+    trap 'log "terminated"; exit 143' TERM
+}

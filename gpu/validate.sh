@@ -1,0 +1,163 @@
+#!/usr/bin/env bash
+# Real-GPU validation of gpu-observer: run known workloads under the observer
+# (all-process mode, JSONL) and compare captured vs expected counts.
+#
+# usage (as root, from the repo root):
+#   OBSERVER=.gpu-bundle/gpu-observer GIT_COMMIT=$(git rev-parse HEAD) gpu/validate.sh [OUTDIR]
+#
+# OUTDIR defaults to $OUT if set, else /tmp/gpu-validate.  Writes per run
+# NAME.{json,jsonl.gz,err,obs.out,log,result.json,section.md}, env.json,
+# nvidia-smi.txt and VALIDATION.md.  Exit 0 only if every strict check passed.
+#
+# Environment knobs: OBSERVER, GIT_COMMIT, NVCC, CUDA_ARCH (e.g. sm_90),
+# PYTHON (default python3), N_COPIES (2000), N_TORCH (500), M_TORCH (20),
+# WORKLOAD_TIMEOUT (240 s), READY_TIMEOUT (60 s), STOP_TIMEOUT (30 s),
+# KEEP_RAW=1 (do not gzip the JSONL), BUILD_DIR, SKIP_TORCH=1.
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO_ROOT=$(cd "$HERE/.." && pwd)
+# shellcheck source=SCRIPTDIR/lib.sh
+source "$HERE/lib.sh"
+
+OUTDIR=${1:-${OUT:-/tmp/gpu-validate}}
+PYTHON=${PYTHON:-python3}
+N_COPIES=${N_COPIES:-2000}
+N_TORCH=${N_TORCH:-500}
+M_TORCH=${M_TORCH:-20}
+WORKLOAD_TIMEOUT=${WORKLOAD_TIMEOUT:-240}
+BUDGET_S=480
+
+mkdir -p "$OUTDIR"
+OUTDIR=$(cd "$OUTDIR" && pwd)
+install_traps
+
+# ------------------------------------------------------------ preflight
+log "gpu-observer validation -> $OUTDIR"
+require_root
+require_tools nvidia-smi timeout grep sed tail "$PYTHON"
+resolve_observer "$REPO_ROOT"
+NVCC_BIN=$(find_nvcc)
+ARCH=$(gpu_sm_arch)
+log "observer: $OBSERVER"
+log "nvcc: $NVCC_BIN  arch: $ARCH"
+
+nvidia-smi >"$OUTDIR/nvidia-smi.txt" 2>&1 || die "nvidia-smi failed: $(tail -n 3 "$OUTDIR/nvidia-smi.txt")"
+sed -n '1,12p' "$OUTDIR/nvidia-smi.txt"
+"$NVCC_BIN" --version | sed -n '$p'
+"$PYTHON" "$HERE/make_report.py" env --out "$OUTDIR/env.json" \
+    --observer "$OBSERVER" --nvcc "$NVCC_BIN" --python "$PYTHON"
+
+RUN_TORCH=1
+if [[ ${SKIP_TORCH:-0} == 1 ]]; then
+    RUN_TORCH=0
+    warn "SKIP_TORCH=1: torch workload skipped"
+elif ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)' \
+    >"$OUTDIR/torch_check.log" 2>&1; then
+    RUN_TORCH=0
+    warn "PyTorch with CUDA not usable from $PYTHON; torch workload skipped:"
+    tail -n 5 "$OUTDIR/torch_check.log" | sed 's/^/    /'
+fi
+
+# ------------------------------------------------------------ build
+BUILD_DIR=${BUILD_DIR:-$(mktemp -d /tmp/gpu-validate-build.XXXXXX)}
+mkdir -p "$BUILD_DIR"
+build() { # out-name extra-flags...
+    local out=$1
+    shift
+    log "build $out ($*)"
+    if ! "$NVCC_BIN" -O2 -arch="$ARCH" -cudart static "$@" \
+        -o "$BUILD_DIR/$out" "$HERE/workloads/copies_kernels.cu" >"$OUTDIR/build_$out.log" 2>&1; then
+        cat "$OUTDIR/build_$out.log"
+        die "nvcc build of $out failed"
+    fi
+}
+build copies_kernels
+build copies_kernels_ptds --default-stream per-thread
+if command -v ldd >/dev/null 2>&1 && ldd "$BUILD_DIR/copies_kernels" 2>/dev/null | grep -q libcudart; then
+    warn "copies_kernels links libcudart dynamically (expected static)"
+fi
+
+# ------------------------------------------------------------ runs
+declare -a NAMES=()
+declare -A STATUS=()
+
+# run_one NAME TITLE COMM_HINT cmd...   (cmd gets NAME.json as last argument)
+run_one() {
+    local name=$1 title=$2 hint=$3
+    shift 3
+    local jsonl="$OUTDIR/$name.jsonl" err="$OUTDIR/$name.err" wjson="$OUTDIR/$name.json"
+    local wlog="$OUTDIR/$name.log" rc=0
+    NAMES+=("$name")
+    rm -f "$wjson" "$jsonl.gz" "$OUTDIR/$name.result.json" "$OUTDIR/$name.section.md"
+    log "=== $name: $title"
+    if ((SECONDS - _T0 > BUDGET_S)); then
+        warn "time budget (${BUDGET_S} s) exhausted; skipping $name"
+        STATUS[$name]="SKIPPED (time budget)"
+        return 0
+    fi
+    if ! start_observer "$jsonl" "$err"; then
+        STATUS[$name]="FAIL (observer did not start)"
+        return 0
+    fi
+    timeout --signal=TERM --kill-after=10 "$WORKLOAD_TIMEOUT" "$@" "$wjson" >"$wlog" 2>&1 || rc=$?
+    sleep 1
+    stop_observer
+    log "workload rc=$rc, observer rc=$OBS_RC, jsonl $(wc -l 2>/dev/null <"$jsonl" || echo 0) lines"
+    tail -n 3 "$err" 2>/dev/null | sed 's/^/    observer: /' || true
+    if ((rc != 0)); then
+        sed 's/^/    workload: /' "$wlog" | tail -n 25
+        STATUS[$name]="FAIL (workload rc=$rc)"
+        return 0
+    fi
+    sed 's/^/    workload: /' "$wlog" | tail -n 4
+    if [[ ! -s $jsonl ]]; then
+        STATUS[$name]="FAIL (no observer output)"
+        return 0
+    fi
+    local crc=0
+    "$PYTHON" "$HERE/compare.py" --workload "$wjson" --events "$jsonl" --name "$name" \
+        --title "$title" --comm-hint "$hint" \
+        --section-out "$OUTDIR/$name.section.md" --result-out "$OUTDIR/$name.result.json" || crc=$?
+    case $crc in
+    0) STATUS[$name]=PASS ;;
+    1) STATUS[$name]="FAIL (count mismatch)" ;;
+    *) STATUS[$name]="FAIL (compare error rc=$crc)" ;;
+    esac
+    if [[ ${OBS_RC:-0} != 0 ]]; then
+        warn "observer exit status $OBS_RC (expected 0 after SIGINT)"
+        if [[ ${STATUS[$name]} == PASS ]]; then STATUS[$name]="PASS (observer rc=$OBS_RC)"; fi
+    fi
+    if [[ ${KEEP_RAW:-0} != 1 ]] && command -v gzip >/dev/null 2>&1; then
+        gzip -f -1 "$jsonl" || true
+    fi
+    return 0
+}
+
+run_one copies_kernels "copies_kernels (nvcc, cudart static, legacy default stream)" \
+    copies_kernels "$BUILD_DIR/copies_kernels" "$N_COPIES"
+run_one copies_kernels_ptds "copies_kernels (nvcc, cudart static, --default-stream per-thread)" \
+    copies_kernels "$BUILD_DIR/copies_kernels_ptds" "$N_COPIES"
+if ((RUN_TORCH)); then
+    run_one torch_loop "torch_loop (PyTorch eager; phase A exact, phase B vs profiler)" \
+        python "$PYTHON" "$HERE/workloads/torch_loop.py" --n "$N_TORCH" --m "$M_TORCH"
+else
+    NAMES+=(torch_loop)
+    STATUS[torch_loop]="SKIPPED (no usable PyTorch)"
+fi
+
+# ------------------------------------------------------------ report
+"$PYTHON" "$HERE/make_report.py" assemble --env "$OUTDIR/env.json" \
+    --out "$OUTDIR/VALIDATION.md" --dir "$OUTDIR" "${NAMES[@]}" || warn "report assembly failed"
+
+log "=== results (${SECONDS}s total; files in $OUTDIR)"
+fail=0
+for n in "${NAMES[@]}"; do
+    printf '  %-22s %s\n' "$n" "${STATUS[$n]}"
+    [[ ${STATUS[$n]} == PASS* ]] || fail=1
+done
+if ((fail)); then
+    log "VALIDATION FAILED"
+    exit 1
+fi
+log "VALIDATION PASSED"
