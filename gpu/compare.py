@@ -287,8 +287,13 @@ def fmt_table(headers, rows, align=None):
     return "\n".join(out)
 
 
+def short(s, n=90):
+    s = str(s)
+    return s if len(s) <= n else s[:n - 1] + "…"
+
+
 def top_items(counter, n=6):
-    return ", ".join(f"`{k}` ({v})" for k, v in counter.most_common(n)) or "none"
+    return ", ".join(f"`{short(k)}` ({v})" for k, v in counter.most_common(n)) or "none"
 
 
 def main():
@@ -406,7 +411,8 @@ def main():
     md.append("")
     if summ is not None:
         fields = ", ".join(f"{k}={v}" for k, v in summ.items()
-                           if k not in ("type",) and not isinstance(v, (dict, list)))
+                           if k not in ("type", "ts_ns", "pid", "tid", "comm")
+                           and not isinstance(v, (dict, list)))
         md.append(f"Observer summary (all processes): {fields}.")
         md.append("")
     for n in notes:

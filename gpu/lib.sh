@@ -8,6 +8,7 @@
 READY_TIMEOUT=${READY_TIMEOUT:-60}   # seconds to wait for "gpu-observer: ready"
 STOP_TIMEOUT=${STOP_TIMEOUT:-30}     # seconds to wait after SIGINT
 READY_LINE='gpu-observer: ready'
+export PYTHONUNBUFFERED=1
 OBS_PID=""
 # shellcheck disable=SC2034  # read by the scripts that source this file
 OBS_RC=""
@@ -163,11 +164,35 @@ stop_observer() {
 
 _on_exit() {
     local rc=$?
+    set +e
     if [[ -n $OBS_PID ]]; then
         log "cleanup: stopping observer pid $OBS_PID"
         stop_observer
     fi
+    # optional per-script hook (packing artifacts), run on every exit path
+    if declare -F on_exit_hook >/dev/null; then
+        on_exit_hook
+    fi
     exit "$rc"
+}
+
+# pack_dir SRC_DIR TARBALL [MAX_BYTES]: tar.gz SRC_DIR; if larger than
+# MAX_BYTES (default 15 MiB), pack again without raw/gzipped JSONL.
+pack_dir() {
+    local src=$1 tgz=$2 max=${3:-15728640} size
+    command -v tar >/dev/null 2>&1 || {
+        warn "tar not found; artifacts left in $src"
+        return 0
+    }
+    tar -C "$src" -czf "$tgz" . 2>/dev/null || {
+        warn "packing $src failed"
+        return 0
+    }
+    size=$(stat -c %s "$tgz" 2>/dev/null || echo 0)
+    if ((size > max)); then
+        tar -C "$src" -czf "$tgz" --exclude='*.jsonl' --exclude='*.jsonl.gz' . 2>/dev/null || true
+        log "artifacts over $((max / 1048576)) MiB: packed without observer JSONL (kept in $src)"
+    fi
 }
 
 install_traps() {

@@ -7,10 +7,12 @@ usage:
       (env GIT_COMMIT) and print a short summary.  Never fails on a missing
       tool: the field says "unavailable".
 
-  make_report.py assemble --env ENV.json --out VALIDATION.md --dir RUNDIR NAME...
+  make_report.py assemble --env ENV.json --out VALIDATION.md --dir RUNDIR
+                          [--results-json R.json] [--status-file S.tsv] NAME...
       Build the report from RUNDIR/NAME.result.json and RUNDIR/NAME.section.md
       (written by compare.py), in the order given.  A run without result gets a
-      "not run / failed before compare" row.
+      row with its status from S.tsv ("NAME<TAB>STATUS" lines from validate.sh).
+      R.json receives env + all results + statuses in one object.
 """
 
 import argparse
@@ -142,6 +144,13 @@ def cmd_assemble(a):
         lines.append(f"| {label} | {val} |")
     lines.append("")
 
+    statuses = {}
+    if a.status_file and os.path.exists(a.status_file):
+        with open(a.status_file, "r", encoding="utf-8") as f:
+            for line in f:
+                if "\t" in line:
+                    k, v = line.rstrip("\n").split("\t", 1)
+                    statuses[k] = v
     results = []
     for name in a.names:
         res = load_json(os.path.join(a.dir, f"{name}.result.json"))
@@ -155,7 +164,8 @@ def cmd_assemble(a):
     for name, res in results:
         if res is None:
             any_fail = True
-            lines.append(f"| {name} | - | **NOT RUN / ERROR** (see {name}.log) | | |")
+            why = statuses.get(name, "NOT RUN / ERROR")
+            lines.append(f"| {name} | - | **{why}** (see `{name}.log`, `{name}.err`) | | |")
             continue
         for win in res.get("windows", []):
             st = win.get("status", "?")
@@ -210,6 +220,12 @@ def cmd_assemble(a):
     lines.append("")
     with open(a.out, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
+    if a.results_json:
+        with open(a.results_json, "w", encoding="utf-8") as f:
+            json.dump({"overall": "FAIL" if any_fail else "PASS", "env": env,
+                       "statuses": statuses, "runs": {n: r for n, r in results}},
+                      f, indent=1, default=str)
+            f.write("\n")
     print(f"report: {a.out} (overall {'FAIL' if any_fail else 'PASS'})")
     return 0
 
@@ -226,6 +242,8 @@ def main():
     s.add_argument("--env", required=True)
     s.add_argument("--out", required=True)
     s.add_argument("--dir", required=True)
+    s.add_argument("--results-json", default=None)
+    s.add_argument("--status-file", default=None)
     s.add_argument("names", nargs="+")
     a = ap.parse_args()
     return cmd_env(a) if a.cmd == "env" else cmd_assemble(a)

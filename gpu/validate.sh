@@ -5,14 +5,20 @@
 # usage (as root, from the repo root):
 #   OBSERVER=.gpu-bundle/gpu-observer GIT_COMMIT=$(git rev-parse HEAD) gpu/validate.sh [OUTDIR]
 #
-# OUTDIR defaults to $OUT if set, else /tmp/gpu-validate.  Writes per run
-# NAME.{json,jsonl.gz,err,obs.out,log,result.json,section.md}, env.json,
-# nvidia-smi.txt and VALIDATION.md.  Exit 0 only if every strict check passed.
+# OUTDIR defaults to $OUT if set, else /tmp/gpu-validate.  It receives only
+# three files (the device runner returns at most 8):
+#   VALIDATION.md            the report (commit it as docs/VALIDATION.md)
+#   validate-results.json    env + per-run comparison results
+#   validate-artifacts.tar.gz  everything else from the work dir: per run
+#       NAME.{json,jsonl.gz,err,obs.out,log,result.json,section.md}, build logs,
+#       env.json, nvidia-smi.txt (JSONL dropped from the tarball if > 15 MiB)
+# The unpacked work dir stays in $WORK_DIR (default /tmp/gpu-validate-work.*).
+# Exit 0 only if every strict check passed.
 #
 # Environment knobs: OBSERVER, GIT_COMMIT, NVCC, CUDA_ARCH (e.g. sm_90),
 # PYTHON (default python3), N_COPIES (2000), N_TORCH (500), M_TORCH (20),
 # WORKLOAD_TIMEOUT (240 s), READY_TIMEOUT (60 s), STOP_TIMEOUT (30 s),
-# KEEP_RAW=1 (do not gzip the JSONL), BUILD_DIR, SKIP_TORCH=1.
+# KEEP_RAW=1 (do not gzip the JSONL), WORK_DIR, SKIP_TORCH=1.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -30,10 +36,28 @@ BUDGET_S=480
 
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
+WORK=${WORK_DIR:-$(mktemp -d /tmp/gpu-validate-work.XXXXXX)}
+mkdir -p "$WORK"
+WORK=$(cd "$WORK" && pwd)
+[[ $WORK != "$OUTDIR" ]] || die "WORK_DIR must differ from the output dir"
+on_exit_hook() {
+    if [[ -f $WORK/VALIDATION.md ]]; then
+        cp -f "$WORK/VALIDATION.md" "$OUTDIR/VALIDATION.md"
+    fi
+    if [[ -f $WORK/validate-results.json ]]; then
+        cp -f "$WORK/validate-results.json" "$OUTDIR/validate-results.json"
+    fi
+    pack_dir "$WORK" "$OUTDIR/validate-artifacts.tar.gz"
+    local f have=""
+    for f in VALIDATION.md validate-results.json validate-artifacts.tar.gz; do
+        [[ -e $OUTDIR/$f ]] && have+="$f "
+    done
+    log "outputs in $OUTDIR: ${have:-none} (work dir $WORK)"
+}
 install_traps
 
 # ------------------------------------------------------------ preflight
-log "gpu-observer validation -> $OUTDIR"
+log "gpu-observer validation -> $OUTDIR (work dir $WORK)"
 require_root
 require_tools nvidia-smi timeout grep sed tail "$PYTHON"
 resolve_observer "$REPO_ROOT"
@@ -42,10 +66,10 @@ ARCH=$(gpu_sm_arch)
 log "observer: $OBSERVER"
 log "nvcc: $NVCC_BIN  arch: $ARCH"
 
-nvidia-smi >"$OUTDIR/nvidia-smi.txt" 2>&1 || die "nvidia-smi failed: $(tail -n 3 "$OUTDIR/nvidia-smi.txt")"
-sed -n '1,12p' "$OUTDIR/nvidia-smi.txt"
+nvidia-smi >"$WORK/nvidia-smi.txt" 2>&1 || die "nvidia-smi failed: $(tail -n 3 "$WORK/nvidia-smi.txt")"
+sed -n '1,12p' "$WORK/nvidia-smi.txt"
 "$NVCC_BIN" --version | sed -n '$p'
-"$PYTHON" "$HERE/make_report.py" env --out "$OUTDIR/env.json" \
+"$PYTHON" "$HERE/make_report.py" env --out "$WORK/env.json" \
     --observer "$OBSERVER" --nvcc "$NVCC_BIN" --python "$PYTHON"
 
 RUN_TORCH=1
@@ -53,22 +77,22 @@ if [[ ${SKIP_TORCH:-0} == 1 ]]; then
     RUN_TORCH=0
     warn "SKIP_TORCH=1: torch workload skipped"
 elif ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)' \
-    >"$OUTDIR/torch_check.log" 2>&1; then
+    >"$WORK/torch_check.log" 2>&1; then
     RUN_TORCH=0
     warn "PyTorch with CUDA not usable from $PYTHON; torch workload skipped:"
-    tail -n 5 "$OUTDIR/torch_check.log" | sed 's/^/    /'
+    tail -n 5 "$WORK/torch_check.log" | sed 's/^/    /'
 fi
 
 # ------------------------------------------------------------ build
-BUILD_DIR=${BUILD_DIR:-$(mktemp -d /tmp/gpu-validate-build.XXXXXX)}
+BUILD_DIR=$WORK.bin
 mkdir -p "$BUILD_DIR"
 build() { # out-name extra-flags...
     local out=$1
     shift
     log "build $out ($*)"
     if ! "$NVCC_BIN" -O2 -arch="$ARCH" -cudart static "$@" \
-        -o "$BUILD_DIR/$out" "$HERE/workloads/copies_kernels.cu" >"$OUTDIR/build_$out.log" 2>&1; then
-        cat "$OUTDIR/build_$out.log"
+        -o "$BUILD_DIR/$out" "$HERE/workloads/copies_kernels.cu" >"$WORK/build_$out.log" 2>&1; then
+        cat "$WORK/build_$out.log"
         die "nvcc build of $out failed"
     fi
 }
@@ -86,10 +110,10 @@ declare -A STATUS=()
 run_one() {
     local name=$1 title=$2 hint=$3
     shift 3
-    local jsonl="$OUTDIR/$name.jsonl" err="$OUTDIR/$name.err" wjson="$OUTDIR/$name.json"
-    local wlog="$OUTDIR/$name.log" rc=0
+    local jsonl="$WORK/$name.jsonl" err="$WORK/$name.err" wjson="$WORK/$name.json"
+    local wlog="$WORK/$name.log" rc=0
     NAMES+=("$name")
-    rm -f "$wjson" "$jsonl.gz" "$OUTDIR/$name.result.json" "$OUTDIR/$name.section.md"
+    rm -f "$wjson" "$jsonl.gz" "$WORK/$name.result.json" "$WORK/$name.section.md"
     log "=== $name: $title"
     if ((SECONDS - _T0 > BUDGET_S)); then
         warn "time budget (${BUDGET_S} s) exhausted; skipping $name"
@@ -118,7 +142,7 @@ run_one() {
     local crc=0
     "$PYTHON" "$HERE/compare.py" --workload "$wjson" --events "$jsonl" --name "$name" \
         --title "$title" --comm-hint "$hint" \
-        --section-out "$OUTDIR/$name.section.md" --result-out "$OUTDIR/$name.result.json" || crc=$?
+        --section-out "$WORK/$name.section.md" --result-out "$WORK/$name.result.json" || crc=$?
     case $crc in
     0) STATUS[$name]=PASS ;;
     1) STATUS[$name]="FAIL (count mismatch)" ;;
@@ -147,10 +171,15 @@ else
 fi
 
 # ------------------------------------------------------------ report
-"$PYTHON" "$HERE/make_report.py" assemble --env "$OUTDIR/env.json" \
-    --out "$OUTDIR/VALIDATION.md" --dir "$OUTDIR" "${NAMES[@]}" || warn "report assembly failed"
+: >"$WORK/status.tsv"
+for n in "${NAMES[@]}"; do
+    printf '%s\t%s\n' "$n" "${STATUS[$n]}" >>"$WORK/status.tsv"
+done
+"$PYTHON" "$HERE/make_report.py" assemble --env "$WORK/env.json" \
+    --out "$WORK/VALIDATION.md" --results-json "$WORK/validate-results.json" \
+    --status-file "$WORK/status.tsv" --dir "$WORK" "${NAMES[@]}" || warn "report assembly failed"
 
-log "=== results (${SECONDS}s total; files in $OUTDIR)"
+log "=== results (${SECONDS}s total)"
 fail=0
 for n in "${NAMES[@]}"; do
     printf '  %-22s %s\n' "$n" "${STATUS[$n]}"

@@ -9,6 +9,7 @@ use gpu_observer_common::limits;
 #[command(
     name = "gpu-observer",
     version,
+    args_override_self = true,
     about = "See what every CUDA process on this machine does with its GPUs — no change to the programs.",
     long_about = "Attaches eBPF uprobes to libcuda in every process (or one, with --pid) and shows each \
                   kernel launch, memory copy, memset, allocation and synchronization, with the nvidia \

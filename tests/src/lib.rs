@@ -1,1 +1,261 @@
+//! Harness for gpu-observer's integration tests: runs the real agent (real eBPF, as root) against
+//! the fake libcuda and the scripted workload from `tests/fixtures`, and reads what it wrote.
+//!
+//! `cargo xtask test` builds everything and sets `GPU_OBSERVER_BIN` / `GPU_OBSERVER_FIXTURES`.
 
+use std::{
+    io::{BufRead, BufReader, Write},
+    path::{Path, PathBuf},
+    process::{Child, ChildStdin, ChildStdout, Command, Stdio},
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+
+/// Tests share the machine's uprobes and processes: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+pub fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ is in the workspace").to_path_buf()
+}
+
+pub fn observer_bin() -> PathBuf {
+    let p = std::env::var_os("GPU_OBSERVER_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join("target/debug/gpu-observer"));
+    assert!(p.is_file(), "{} not built: run the tests with `cargo xtask test`", p.display());
+    p
+}
+
+pub fn fixtures() -> PathBuf {
+    let p = std::env::var_os("GPU_OBSERVER_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join("target/fixtures"));
+    assert!(p.join("cuda_workload").is_file(), "fixtures not built in {}: run `cargo xtask test`", p.display());
+    p
+}
+
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "integration tests load eBPF programs: run them as root (`cargo xtask test`)");
+}
+
+static SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// A fresh scratch directory under target/.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = workspace()
+        .join("target/test-scratch")
+        .join(format!("{name}-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::SeqCst)));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create scratch dir");
+    dir
+}
+
+/// A private copy of a fixture library (`libcuda.so.1` or `partial/libcuda.so.1`): a new inode,
+/// so no earlier attach covers it.
+pub fn fresh_lib(dir: &Path, which: &str) -> PathBuf {
+    let dst = dir.join("lib");
+    std::fs::create_dir_all(&dst).unwrap();
+    let dst = dst.join("libcuda.so.1");
+    std::fs::copy(fixtures().join(which), &dst).expect("copy fake libcuda");
+    dst
+}
+
+/// The agent, writing JSON lines to a file.
+pub struct Agent {
+    child: Child,
+    stderr: Arc<Mutex<Vec<String>>>,
+    out: PathBuf,
+}
+
+/// What the agent wrote.
+pub struct Captured {
+    pub events: Vec<Value>,
+    pub stderr: Vec<String>,
+    pub status: std::process::ExitStatus,
+}
+
+impl Agent {
+    /// Starts `gpu-observer --format jsonl --output DIR/out.jsonl ARGS` and waits for `ready`.
+    pub fn start(dir: &Path, args: &[&str]) -> Agent {
+        let out = dir.join("out.jsonl");
+        let mut child = Command::new(observer_bin())
+            .args(["--format", "jsonl", "--output"])
+            .arg(&out)
+            .args(["--interval-ms", "200"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn gpu-observer");
+        let stderr = Arc::new(Mutex::new(Vec::new()));
+        let lines = stderr.clone();
+        let pipe = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                lines.lock().unwrap().push(line);
+            }
+        });
+        let agent = Agent { child, stderr, out };
+        agent.wait_stderr("gpu-observer: ready", Duration::from_secs(60));
+        agent
+    }
+
+    pub fn stderr(&self) -> Vec<String> {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    /// Waits for a stderr line containing `needle`; panics with the whole stderr on timeout.
+    pub fn wait_stderr(&self, needle: &str, timeout: Duration) -> Duration {
+        let start = Instant::now();
+        while start.elapsed() < timeout {
+            if self.stderr().iter().any(|l| l.contains(needle)) {
+                return start.elapsed();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("gpu-observer did not print `{needle}` within {timeout:?}; stderr:\n{}", self.stderr().join("\n"));
+    }
+
+    /// SIGINT, wait for exit, read the output.
+    pub fn stop(mut self) -> Captured {
+        // SAFETY: signalling our own child by pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        self.finish()
+    }
+
+    /// Waits for the agent to exit by itself (e.g. `--pid` process exited).
+    pub fn finish(mut self) -> Captured {
+        let start = Instant::now();
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            if start.elapsed() > Duration::from_secs(30) {
+                let _ = self.child.kill();
+                panic!("gpu-observer did not exit; stderr:\n{}", self.stderr().join("\n"));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        let text = std::fs::read_to_string(&self.out).unwrap_or_default();
+        let events = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l:?}: {e}")))
+            .collect();
+        Captured { events, stderr: self.stderr(), status }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Captured {
+    /// The last line: the total summary.
+    pub fn total(&self) -> &Value {
+        let last = self.events.last().expect("no output at all");
+        assert_eq!(last["type"], "summary", "last line is not the summary: {last}");
+        assert_eq!(last["scope"], "total");
+        last
+    }
+
+    pub fn of_type<'a>(&'a self, ty: &'a str) -> impl Iterator<Item = &'a Value> + 'a {
+        self.events.iter().filter(move |e| e["type"] == ty)
+    }
+
+    pub fn process_summary(&self, pid: u32) -> &Value {
+        self.events
+            .iter()
+            .find(|e| e["type"] == "summary" && e["scope"] == "process" && e["pid"] == pid)
+            .unwrap_or_else(|| panic!("no summary for pid {pid}"))
+    }
+
+    pub fn count(&self, pred: impl Fn(&Value) -> bool) -> usize {
+        self.events.iter().filter(|e| pred(e)).count()
+    }
+}
+
+/// The scripted workload (`tests/fixtures/cuda_workload`), driven line by line.
+pub struct Workload {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    pub pid: u32,
+}
+
+impl Workload {
+    pub fn start() -> Workload {
+        Self::start_with_env(&[])
+    }
+
+    pub fn start_with_env(env: &[(&str, &str)]) -> Workload {
+        let mut child = Command::new(fixtures().join("cuda_workload"))
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn cuda_workload");
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        let pid = line.trim().strip_prefix("ready ").expect("workload says ready").parse().unwrap();
+        Workload { child, stdin, stdout, pid }
+    }
+
+    /// Sends one command, returns its `ok ...` reply (panics on `err`).
+    pub fn cmd(&mut self, line: &str) -> String {
+        writeln!(self.stdin, "{line}").unwrap();
+        self.stdin.flush().unwrap();
+        let mut reply = String::new();
+        self.stdout.read_line(&mut reply).unwrap();
+        assert!(reply.starts_with("ok"), "workload `{line}` → {reply:?}");
+        reply.trim().to_string()
+    }
+
+    pub fn exit(mut self) {
+        let _ = writeln!(self.stdin, "exit");
+        let _ = self.stdin.flush();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Reads the workload's record of the calls it made.
+pub fn expected_calls(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .expect("workload wrote its records")
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// A call as a comparable key: its api, tid, and the fields the expected record names.
+pub fn key_of(expected: &Value, actual: &Value) -> String {
+    let mut parts = Vec::new();
+    for (k, _) in expected.as_object().expect("record is an object") {
+        parts.push(format!("{k}={}", actual.get(k).unwrap_or(&Value::Null)));
+    }
+    parts.join(" ")
+}

@@ -1,1 +1,253 @@
-fn main() {}
+//! Everything that is not a plain `cargo build`: tool set-up, test fixtures, running the
+//! observer and the tests as root, benchmarks, and the bundle for a GPU machine.
+
+use std::{
+    env,
+    ffi::OsString,
+    path::{Path, PathBuf},
+    process::{Command, ExitCode},
+};
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+const BPF_LINKER_VERSION: &str = "0.13.0";
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "gpu-observer developer tasks")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install what building needs: rust-src, bpf-linker (into .tools/), gcc.
+    Setup,
+    /// Build the fake libcuda and workload into target/fixtures.
+    Fixtures,
+    /// Set up, build, and run the observer as root with these arguments.
+    Run {
+        /// Build in release mode.
+        #[arg(long)]
+        release: bool,
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
+    /// Set up, build, and run every test (unit and integration, real eBPF) as root, plus fmt and clippy.
+    Test {
+        /// Skip `cargo fmt --check` and clippy.
+        #[arg(long)]
+        no_lint: bool,
+        /// Extra arguments for `cargo test` (e.g. a test name filter).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
+    /// fmt --check and clippy -D warnings.
+    Lint,
+    /// Events/s the agent sustains without drops, with the fake libcuda (prints measured ratios).
+    Bench {
+        /// Launches per burst.
+        #[arg(long, default_value_t = 2_000_000)]
+        calls: u64,
+    },
+    /// Release binary + GPU scripts in .gpu-bundle/ for a GPU machine (see gpu/README.md).
+    Bundle,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.task {
+        Task::Setup => setup(),
+        Task::Fixtures => fixtures().map(|_| ()),
+        Task::Run { release, args } => run_observer(release, &args),
+        Task::Test { no_lint, args } => test(!no_lint, &args),
+        Task::Lint => lint(),
+        Task::Bench { calls } => bench(calls),
+        Task::Bundle => bundle(),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn tools() -> PathBuf {
+    root().join(".tools")
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    c.current_dir(root());
+    c
+}
+
+fn status(cmd: &mut Command) -> Result<()> {
+    let st = cmd.status().with_context(|| format!("spawn {cmd:?}"))?;
+    if !st.success() {
+        bail!("{cmd:?} failed: {st}");
+    }
+    Ok(())
+}
+
+fn output(cmd: &mut Command) -> Result<String> {
+    let out = cmd.output().with_context(|| format!("spawn {cmd:?}"))?;
+    if !out.status.success() {
+        bail!("{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("Uid:")).map(|l| l.split_whitespace().nth(2) == Some("0")))
+        .unwrap_or(false)
+}
+
+fn have(bin: &str) -> bool {
+    Command::new("sh").args(["-c", &format!("command -v {bin} >/dev/null")]).status().is_ok_and(|s| s.success())
+}
+
+/// Runs `cmd` as root: directly when we are root, else through sudo (when there is one).
+fn as_root(cmd: &mut Command) -> Result<()> {
+    if is_root() {
+        return status(cmd);
+    }
+    if !have("sudo") {
+        bail!("this needs root (eBPF programs and uprobes) and there is no sudo: run it as root");
+    }
+    let mut sudo = Command::new("sudo");
+    sudo.arg("--preserve-env=GPU_OBSERVER_BIN,GPU_OBSERVER_FIXTURES,PATH").arg(cmd.get_program()).args(cmd.get_args());
+    for (k, v) in cmd.get_envs() {
+        if let Some(v) = v {
+            sudo.env(k, v);
+        }
+    }
+    if let Some(dir) = cmd.get_current_dir() {
+        sudo.current_dir(dir);
+    }
+    status(&mut sudo)
+}
+
+fn setup() -> Result<()> {
+    let sysroot = output(Command::new("rustc").args(["--print", "sysroot"]))?.trim().to_string();
+    if !Path::new(&sysroot).join("lib/rustlib/src/rust/library/core").is_dir() {
+        eprintln!("xtask: installing rust-src");
+        status(Command::new("rustup").args(["component", "add", "rust-src"]))?;
+    }
+    let linker = tools().join("bin/bpf-linker");
+    if !linker.is_file() {
+        // bpf-linker links against rustc's own LLVM: no system LLVM needed (FACTS §1).
+        let lib = Path::new(&sysroot).join("lib");
+        let llvm = std::fs::read_dir(&lib)?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .find(|n| n.starts_with("libLLVM.so.") || (n.starts_with("libLLVM-") && n.ends_with(".so")))
+            .context("rustc ships no libLLVM")?;
+        let real = std::fs::canonicalize(lib.join(&llvm))?;
+        let prefix = tools().join("llvm");
+        let plib = prefix.join("lib");
+        std::fs::create_dir_all(&plib)?;
+        for name in ["libLLVM.so".to_string(), real.file_name().unwrap().to_string_lossy().into_owned()] {
+            let link = plib.join(name);
+            let _ = std::fs::remove_file(&link);
+            std::os::unix::fs::symlink(&real, &link)?;
+        }
+        eprintln!("xtask: installing bpf-linker {BPF_LINKER_VERSION} into {}", tools().display());
+        status(
+            cargo()
+                .args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION, "--locked", "--no-default-features"])
+                .args(["--features", "llvm-22", "--root"])
+                .arg(tools())
+                .env("LLVM_PREFIX", &prefix),
+        )?;
+    }
+    if !have("gcc") {
+        eprintln!("xtask: installing gcc");
+        apt(&["gcc", "libc6-dev"])?;
+    }
+    Ok(())
+}
+
+fn apt(pkgs: &[&str]) -> Result<()> {
+    let mut update = Command::new("apt-get");
+    update.arg("update").env("DEBIAN_FRONTEND", "noninteractive");
+    as_root(&mut update)?;
+    let mut install = Command::new("apt-get");
+    install.args(["install", "-y", "--no-install-recommends"]).args(pkgs).env("DEBIAN_FRONTEND", "noninteractive");
+    as_root(&mut install)
+}
+
+fn fixtures() -> Result<PathBuf> {
+    let out = root().join("target/fixtures");
+    status(Command::new("bash").arg(root().join("tests/fixtures/build.sh")).arg(&out))?;
+    Ok(out)
+}
+
+fn build(release: bool) -> Result<PathBuf> {
+    let mut c = cargo();
+    c.args(["build", "--package", "gpu-observer"]);
+    if release {
+        c.arg("--release");
+    }
+    status(&mut c)?;
+    Ok(root().join(if release { "target/release/gpu-observer" } else { "target/debug/gpu-observer" }))
+}
+
+fn run_observer(release: bool, args: &[OsString]) -> Result<()> {
+    setup()?;
+    let bin = build(release)?;
+    as_root(Command::new(bin).args(args))
+}
+
+fn lint() -> Result<()> {
+    status(cargo().args(["fmt", "--all", "--check"]))?;
+    status(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))
+}
+
+fn test(lint_too: bool, args: &[OsString]) -> Result<()> {
+    setup()?;
+    let fx = fixtures()?;
+    let bin = build(false)?;
+    if lint_too {
+        lint()?;
+    }
+    // Build the tests unprivileged, then run them as root (they load eBPF programs).
+    status(cargo().args(["test", "--workspace", "--no-run"]))?;
+    let mut t = cargo();
+    t.args(["test", "--workspace"]).args(args).env("GPU_OBSERVER_BIN", &bin).env("GPU_OBSERVER_FIXTURES", &fx);
+    as_root(&mut t)
+}
+
+fn bench(calls: u64) -> Result<()> {
+    setup()?;
+    let fx = fixtures()?;
+    let bin = build(true)?;
+    as_root(
+        Command::new("bash")
+            .arg(root().join("bench/events_per_second.sh"))
+            .env("GPU_OBSERVER_BIN", &bin)
+            .env("GPU_OBSERVER_FIXTURES", &fx)
+            .env("CALLS", calls.to_string()),
+    )
+}
+
+fn bundle() -> Result<()> {
+    setup()?;
+    let bin = build(true)?;
+    let dir = root().join(".gpu-bundle");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::copy(&bin, dir.join("gpu-observer"))?;
+    let commit = output(Command::new("git").args(["rev-parse", "--short", "HEAD"]).current_dir(root())).unwrap_or_default();
+    std::fs::write(dir.join("COMMIT"), commit)?;
+    eprintln!("xtask: bundle in {} (carry `.gpu-bundle`, then run `bash gpu/validate.sh`)", dir.display());
+    Ok(())
+}

@@ -189,7 +189,7 @@ pub fn final_summary(corr: &Correlator, drops: &Drops, wall_ns: u64) -> String {
         let wall = (p.last_ts.saturating_sub(p.first_ts)).max(1);
         let _ = writeln!(
             out,
-            "  syncs         {:>10}   {:.3} ms blocked ({:.1}% of its active time)",
+            "  syncs         {:>10}   {:.3} ms blocked, summed over threads ({:.1}% of its active wall time)",
             s.syncs.count,
             s.syncs.ns as f64 / 1e6,
             s.syncs.ns as f64 / wall as f64 * 100.0
