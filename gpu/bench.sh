@@ -8,9 +8,12 @@
 # usage (as root, from the repo root):
 #   OBSERVER=.gpu-bundle/gpu-observer GIT_COMMIT=$(git rev-parse HEAD) gpu/bench.sh [OUTDIR]
 #
-# OUTDIR defaults to $OUT if set, else /tmp/gpu-bench.  Knobs: L (launches per
-# round, 200000), R (rounds, 5), NVCC, CUDA_ARCH, PYTHON, KEEP_JSONL=1 (keep the
-# observer's JSONL, it is ~L*R lines), BENCH_TIMEOUT (180 s per run).
+# OUTDIR defaults to $OUT if set, else /tmp/gpu-bench; it receives BENCH.md,
+# bench-summary.json and bench-artifacts.tar.gz (per-run JSON/logs, observer
+# stderr; not the JSONL).  Work files stay in $WORK_DIR (default
+# /tmp/gpu-bench-work.*).  Knobs: L (launches per round, 200000), R (rounds,
+# 5), NVCC, CUDA_ARCH, PYTHON, KEEP_JSONL=1 (keep the observer's JSONL, about
+# L*R lines, in the work dir), BENCH_TIMEOUT (180 s per run), STOP_TIMEOUT (60 s).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -23,63 +26,71 @@ PYTHON=${PYTHON:-python3}
 L=${L:-200000}
 R=${R:-5}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-180}
-STOP_TIMEOUT=${STOP_TIMEOUT:-60}   # the observer may have ~1M events to flush
+STOP_TIMEOUT=${STOP_TIMEOUT:-60} # the observer may have ~1M events to flush
 
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
-TMPD=$(mktemp -d /tmp/gpu-bench.XXXXXX)
+rm -f "$OUTDIR/BENCH.md" "$OUTDIR/bench-summary.json" "$OUTDIR/bench-artifacts.tar.gz"
+WORK=${WORK_DIR:-$(mktemp -d /tmp/gpu-bench-work.XXXXXX)}
+mkdir -p "$WORK"
+WORK=$(cd "$WORK" && pwd)
+[[ $WORK != "$OUTDIR" ]] || die "WORK_DIR must differ from the output dir"
+JSONL=$WORK/bench.jsonl
+on_exit_hook() {
+    if [[ ${KEEP_JSONL:-0} != 1 ]]; then
+        rm -f "$JSONL"
+    fi
+    [[ -f $WORK/BENCH.md ]] && cp -f "$WORK/BENCH.md" "$OUTDIR/BENCH.md"
+    [[ -f $WORK/bench-summary.json ]] && cp -f "$WORK/bench-summary.json" "$OUTDIR/bench-summary.json"
+    pack_dir "$WORK" "$OUTDIR/bench-artifacts.tar.gz"
+    log "outputs in $OUTDIR (work dir $WORK)"
+}
 install_traps
 
-log "gpu-observer launch benchmark -> $OUTDIR (L=$L R=$R)"
+log "gpu-observer launch benchmark -> $OUTDIR (L=$L R=$R, work dir $WORK)"
 require_root
 require_tools nvidia-smi timeout grep sed "$PYTHON"
 resolve_observer "$REPO_ROOT"
 NVCC_BIN=$(find_nvcc)
 ARCH=$(gpu_sm_arch)
 log "observer: $OBSERVER"
-nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader || warn "nvidia-smi query failed"
-"$PYTHON" "$HERE/make_report.py" env --out "$OUTDIR/bench_env.json" \
+"$PYTHON" "$HERE/make_report.py" env --out "$WORK/bench_env.json" \
     --observer "$OBSERVER" --nvcc "$NVCC_BIN"
 
 log "build launch_bench ($ARCH)"
-if ! "$NVCC_BIN" -O2 -arch="$ARCH" -cudart static -o "$TMPD/launch_bench" \
-    "$HERE/workloads/launch_bench.cu" >"$OUTDIR/build_launch_bench.log" 2>&1; then
-    cat "$OUTDIR/build_launch_bench.log"
+mkdir -p "$WORK.bin"
+if ! "$NVCC_BIN" -O2 -arch="$ARCH" -cudart static -o "$WORK.bin/launch_bench" \
+    "$HERE/workloads/launch_bench.cu" >"$WORK/build_launch_bench.log" 2>&1; then
+    cat "$WORK/build_launch_bench.log"
     die "nvcc build of launch_bench failed"
 fi
 
 bench() { # name
     local rc=0
     timeout --signal=TERM --kill-after=10 "$BENCH_TIMEOUT" \
-        "$TMPD/launch_bench" "$L" "$R" "$OUTDIR/$1.json" >"$OUTDIR/$1.log" 2>&1 || rc=$?
-    sed 's/^/    /' "$OUTDIR/$1.log" | tail -n 5
+        "$WORK.bin/launch_bench" "$L" "$R" "$WORK/$1.json" >"$WORK/$1.log" 2>&1 || rc=$?
+    sed 's/^/    /' "$WORK/$1.log" | tail -n 5
     ((rc == 0)) || die "launch_bench ($1) failed with rc=$rc"
 }
 
 log "=== 1/3 baseline (no observer)"
 bench bench_base1
 
-log "=== 2/3 with observer (all processes, jsonl -> $TMPD/bench.jsonl)"
-start_observer "$TMPD/bench.jsonl" "$OUTDIR/bench_observer.err" || die "observer did not start"
+log "=== 2/3 with observer (all processes, jsonl -> $JSONL)"
+start_observer "$JSONL" "$WORK/bench_observer.err" || die "observer did not start"
 bench_rc=0
 (bench bench_with) || bench_rc=$?
 sleep 1
 stop_observer
-log "observer rc=$OBS_RC; jsonl $(du -h "$TMPD/bench.jsonl" 2>/dev/null | cut -f1) ($(wc -l 2>/dev/null <"$TMPD/bench.jsonl" || echo 0) lines)"
-tail -n 3 "$OUTDIR/bench_observer.err" 2>/dev/null | sed 's/^/    observer: /' || true
+log "observer rc=$OBS_RC; jsonl $(du -h "$JSONL" 2>/dev/null | cut -f1) ($(wc -l 2>/dev/null <"$JSONL" || echo 0) lines)"
+tail -n 3 "$WORK/bench_observer.err" 2>/dev/null | sed 's/^/    observer: /' || true
 ((bench_rc == 0)) || die "launch_bench under the observer failed"
 
 log "=== 3/3 baseline again"
 bench bench_base2
 
-"$PYTHON" "$HERE/bench_report.py" --env "$OUTDIR/bench_env.json" \
-    --base1 "$OUTDIR/bench_base1.json" --with "$OUTDIR/bench_with.json" \
-    --base2 "$OUTDIR/bench_base2.json" --events "$TMPD/bench.jsonl" \
-    --out "$OUTDIR/BENCH.md" --summary-json "$OUTDIR/bench_summary.json"
-
-if [[ ${KEEP_JSONL:-0} == 1 ]]; then
-    log "observer JSONL kept at $TMPD/bench.jsonl"
-else
-    rm -rf "$TMPD"
-fi
-log "done in ${SECONDS}s: $OUTDIR/BENCH.md"
+"$PYTHON" "$HERE/bench_report.py" --env "$WORK/bench_env.json" \
+    --base1 "$WORK/bench_base1.json" --with "$WORK/bench_with.json" \
+    --base2 "$WORK/bench_base2.json" --events "$JSONL" \
+    --out "$WORK/BENCH.md" --summary-json "$WORK/bench-summary.json"
+log "done in ${SECONDS}s"

@@ -36,6 +36,7 @@ BUDGET_S=480
 
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
+rm -f "$OUTDIR/VALIDATION.md" "$OUTDIR/validate-results.json" "$OUTDIR/validate-artifacts.tar.gz"
 WORK=${WORK_DIR:-$(mktemp -d /tmp/gpu-validate-work.XXXXXX)}
 mkdir -p "$WORK"
 WORK=$(cd "$WORK" && pwd)

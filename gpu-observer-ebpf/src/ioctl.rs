@@ -65,13 +65,13 @@ pub fn ioctl_exit(ctx: TracePointContext) -> u32 {
     let _ = IOCTLS.remove(ids.tid);
     let end = now();
     let duration = end - start.ts_ns;
-    if start.parent_api != 0 {
-        if let Some(call) = INFLIGHT.get_ptr_mut(ids.tid) {
-            // SAFETY: per-thread entry, only this thread touches it.
-            unsafe {
-                (*call).ioctl_count += 1;
-                (*call).ioctl_ns += duration;
-            }
+    if start.parent_api != 0
+        && let Some(call) = INFLIGHT.get_ptr_mut(ids.tid)
+    {
+        // SAFETY: per-thread entry, only this thread touches it.
+        unsafe {
+            (*call).ioctl_count += 1;
+            (*call).ioctl_ns += duration;
         }
     }
     // SAFETY: offset of the stable syscall tracepoint format.

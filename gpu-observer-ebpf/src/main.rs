@@ -15,7 +15,8 @@ mod launch;
 mod maps;
 mod process;
 
-#[cfg(not(test))]
+// Only for the BPF target: host-side `cargo clippy --workspace` links std through dependencies.
+#[cfg(target_arch = "bpf")]
 #[panic_handler]
 fn panic(_info: &core::panic::PanicInfo) -> ! {
     loop {}

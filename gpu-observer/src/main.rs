@@ -106,13 +106,13 @@ impl Attacher {
             if !self.probes.is_attached(&lib.key) {
                 self.attach(&lib.host_path, lib.key, Some(lib.pid));
             }
-            if self.known_pids.insert(lib.pid) {
-                if let Err(e) = self.probes.observe_pid(lib.pid) {
-                    say(format_args!(
-                        "warning: cannot observe ioctls of pid {}: {e:#}",
-                        lib.pid
-                    ));
-                }
+            if self.known_pids.insert(lib.pid)
+                && let Err(e) = self.probes.observe_pid(lib.pid)
+            {
+                say(format_args!(
+                    "warning: cannot observe ioctls of pid {}: {e:#}",
+                    lib.pid
+                ));
             }
         }
         libs.len()
@@ -123,12 +123,12 @@ async fn observe(cli: Cli) -> Result<()> {
     for w in preflight::check()? {
         say(format_args!("warning: {w}"));
     }
-    if let Some(pid) = cli.pid {
-        if pid == 0 || !Path::new(&format!("/proc/{pid}")).exists() {
-            bail!(
-                "no process with pid {pid}: check it with `ps -p {pid}` (gpu-observer without --pid observes every process)"
-            );
-        }
+    if let Some(pid) = cli.pid
+        && (pid == 0 || !Path::new(&format!("/proc/{pid}")).exists())
+    {
+        bail!(
+            "no process with pid {pid}: check it with `ps -p {pid}` (gpu-observer without --pid observes every process)"
+        );
     }
     let probes = Probes::load(cli.ring_buffer_size, cli.pid)?;
     let mut at = Attacher {
@@ -198,11 +198,11 @@ async fn observe(cli: Cli) -> Result<()> {
                 if waiting && mapped > 0 {
                     waiting = false;
                 }
-                if let Some(pid) = cli.pid {
-                    if !Path::new(&format!("/proc/{pid}")).exists() {
-                        say(format_args!("process {pid} exited"));
-                        break;
-                    }
+                if let Some(pid) = cli.pid
+                    && !Path::new(&format!("/proc/{pid}")).exists()
+                {
+                    say(format_args!("process {pid} exited"));
+                    break;
                 }
                 let drops = at.probes.drops().unwrap_or_default();
                 if drops.total > last_drops {

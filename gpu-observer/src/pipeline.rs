@@ -113,11 +113,11 @@ fn run(
             }
             batch.clear();
         }
-        if let Some(out) = output.as_mut() {
-            if stopping || last_flush.elapsed() >= FLUSH_INTERVAL {
-                out.flush()?;
-                last_flush = Instant::now();
-            }
+        if let Some(out) = output.as_mut()
+            && (stopping || last_flush.elapsed() >= FLUSH_INTERVAL)
+        {
+            out.flush()?;
+            last_flush = Instant::now();
         }
         if stopping {
             return Ok(output);

@@ -27,8 +27,12 @@ Profiler counting method (recorded in the output as "profiler_count_method"):
               categories are Kineto's activity-type names and are stable
               across torch 1.x/2.x.
   cross-check: prof.events() entries whose device_type is DeviceType.CUDA,
-              classified by name ("Memcpy*" / "Memset*" / other = kernel).
-  If the trace export fails, the cross-check numbers are used.
+              classified by FunctionEvent.activity_type where the torch
+              version has it, else by name ("Memcpy*" / "Memset*" / other =
+              kernel, GPU user annotations skipped).
+  If the trace export fails, the cross-check numbers are used.  Also recorded:
+  the CUDA runtime/driver API calls the profiler saw (profiler_api_calls) and
+  how many of them were launch calls (profiler_launch_api_calls).
 
 Output JSON:
   {"pid", "phaseA": {"start_ns","end_ns","launches","htod","dtoh","stream_syncs"},

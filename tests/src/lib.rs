@@ -24,14 +24,21 @@ pub fn serial() -> MutexGuard<'static, ()> {
 }
 
 fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ is in the workspace").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ is in the workspace")
+        .to_path_buf()
 }
 
 pub fn observer_bin() -> PathBuf {
     let p = std::env::var_os("GPU_OBSERVER_BIN")
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace().join("target/debug/gpu-observer"));
-    assert!(p.is_file(), "{} not built: run the tests with `cargo xtask test`", p.display());
+    assert!(
+        p.is_file(),
+        "{} not built: run the tests with `cargo xtask test`",
+        p.display()
+    );
     p
 }
 
@@ -39,22 +46,32 @@ pub fn fixtures() -> PathBuf {
     let p = std::env::var_os("GPU_OBSERVER_FIXTURES")
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace().join("target/fixtures"));
-    assert!(p.join("cuda_workload").is_file(), "fixtures not built in {}: run `cargo xtask test`", p.display());
+    assert!(
+        p.join("cuda_workload").is_file(),
+        "fixtures not built in {}: run `cargo xtask test`",
+        p.display()
+    );
     p
 }
 
 pub fn require_root() {
     // SAFETY: geteuid has no preconditions.
-    assert_eq!(unsafe { libc::geteuid() }, 0, "integration tests load eBPF programs: run them as root (`cargo xtask test`)");
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "integration tests load eBPF programs: run them as root (`cargo xtask test`)"
+    );
 }
 
 static SEQ: AtomicU64 = AtomicU64::new(0);
 
 /// A fresh scratch directory under target/.
 pub fn scratch(name: &str) -> PathBuf {
-    let dir = workspace()
-        .join("target/test-scratch")
-        .join(format!("{name}-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::SeqCst)));
+    let dir = workspace().join("target/test-scratch").join(format!(
+        "{name}-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::SeqCst)
+    ));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("create scratch dir");
     dir
@@ -124,11 +141,14 @@ impl Agent {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        panic!("gpu-observer did not print `{needle}` within {timeout:?}; stderr:\n{}", self.stderr().join("\n"));
+        panic!(
+            "gpu-observer did not print `{needle}` within {timeout:?}; stderr:\n{}",
+            self.stderr().join("\n")
+        );
     }
 
     /// SIGINT, wait for exit, read the output.
-    pub fn stop(mut self) -> Captured {
+    pub fn stop(self) -> Captured {
         // SAFETY: signalling our own child by pid.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
         self.finish()
@@ -143,7 +163,10 @@ impl Agent {
             }
             if start.elapsed() > Duration::from_secs(30) {
                 let _ = self.child.kill();
-                panic!("gpu-observer did not exit; stderr:\n{}", self.stderr().join("\n"));
+                panic!(
+                    "gpu-observer did not exit; stderr:\n{}",
+                    self.stderr().join("\n")
+                );
             }
             std::thread::sleep(Duration::from_millis(20));
         };
@@ -153,7 +176,11 @@ impl Agent {
             .lines()
             .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l:?}: {e}")))
             .collect();
-        Captured { events, stderr: self.stderr(), status }
+        Captured {
+            events,
+            stderr: self.stderr(),
+            status,
+        }
     }
 }
 
@@ -168,7 +195,10 @@ impl Captured {
     /// The last line: the total summary.
     pub fn total(&self) -> &Value {
         let last = self.events.last().expect("no output at all");
-        assert_eq!(last["type"], "summary", "last line is not the summary: {last}");
+        assert_eq!(
+            last["type"], "summary",
+            "last line is not the summary: {last}"
+        );
         assert_eq!(last["scope"], "total");
         last
     }
@@ -214,8 +244,18 @@ impl Workload {
         let mut stdout = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
         stdout.read_line(&mut line).unwrap();
-        let pid = line.trim().strip_prefix("ready ").expect("workload says ready").parse().unwrap();
-        Workload { child, stdin, stdout, pid }
+        let pid = line
+            .trim()
+            .strip_prefix("ready ")
+            .expect("workload says ready")
+            .parse()
+            .unwrap();
+        Workload {
+            child,
+            stdin,
+            stdout,
+            pid,
+        }
     }
 
     /// Sends one command, returns its `ok ...` reply (panics on `err`).

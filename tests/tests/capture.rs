@@ -10,15 +10,25 @@ use gpu_observer_tests::*;
 use serde_json::Value;
 
 const ROUND_CALLS: usize = 75;
-const SYNC_APIS: [&str; 5] =
-    ["cuCtxSynchronize", "cuCtxSynchronize_v2", "cuStreamSynchronize", "cuStreamSynchronize_ptsz", "cuEventSynchronize"];
+const SYNC_APIS: [&str; 5] = [
+    "cuCtxSynchronize",
+    "cuCtxSynchronize_v2",
+    "cuStreamSynchronize",
+    "cuStreamSynchronize_ptsz",
+    "cuEventSynchronize",
+];
 
 /// Multiset of calls per api, keyed by the fields the expected records carry.
-fn by_api(records: &[&Value], template: &HashMap<String, Value>) -> BTreeMap<String, BTreeMap<String, usize>> {
+fn by_api(
+    records: &[&Value],
+    template: &HashMap<String, Value>,
+) -> BTreeMap<String, BTreeMap<String, usize>> {
     let mut out: BTreeMap<String, BTreeMap<String, usize>> = BTreeMap::new();
     for r in records {
         let api = r["api"].as_str().unwrap_or("?").to_string();
-        let Some(t) = template.get(&api) else { continue };
+        let Some(t) = template.get(&api) else {
+            continue;
+        };
         *out.entry(api).or_default().entry(key_of(t, r)).or_default() += 1;
     }
     out
@@ -26,8 +36,10 @@ fn by_api(records: &[&Value], template: &HashMap<String, Value>) -> BTreeMap<Str
 
 /// Every expected call was captured once with the same argument values, and nothing else.
 fn assert_exact(expected: &[Value], captured: &Captured, pid: u32) {
-    let template: HashMap<String, Value> =
-        expected.iter().map(|e| (e["api"].as_str().unwrap().to_string(), e.clone())).collect();
+    let template: HashMap<String, Value> = expected
+        .iter()
+        .map(|e| (e["api"].as_str().unwrap().to_string(), e.clone()))
+        .collect();
     let exp: Vec<&Value> = expected.iter().collect();
     let got: Vec<&Value> = captured
         .events
@@ -37,7 +49,11 @@ fn assert_exact(expected: &[Value], captured: &Captured, pid: u32) {
         .collect();
     let (want, have) = (by_api(&exp, &template), by_api(&got, &template));
     for (api, calls) in &want {
-        assert_eq!(Some(calls), have.get(api), "calls of {api} differ (expected vs captured)");
+        assert_eq!(
+            Some(calls),
+            have.get(api),
+            "calls of {api} differ (expected vs captured)"
+        );
     }
     assert_eq!(want.len(), have.len());
     assert_eq!(exp.len(), got.len());
@@ -54,7 +70,10 @@ fn every_variant_from_several_threads_with_exact_arguments() {
     w.cmd(&format!("load {}", lib.display()));
     w.cmd("init");
     let agent = Agent::start(&dir, &[]);
-    agent.wait_stderr(&format!("attached /proc/{}/root{}", w.pid, lib.display()), Duration::from_secs(10));
+    agent.wait_stderr(
+        &format!("attached /proc/{}/root{}", w.pid, lib.display()),
+        Duration::from_secs(10),
+    );
     let (threads, iters) = (4, 25);
     let exp_path = dir.join("expected.jsonl");
     let reply = w.cmd(&format!("run {threads} {iters} {}", exp_path.display()));
@@ -68,14 +87,30 @@ fn every_variant_from_several_threads_with_exact_arguments() {
     assert_exact(&expected, &cap, pid);
 
     // Per API: every variant, 100 calls each (frees: 5 and 2 per round).
-    let per_round: HashMap<&str, usize> = [("cuMemFree_v2", 5), ("cuMemFreeHost", 2)].into_iter().collect();
+    let per_round: HashMap<&str, usize> = [("cuMemFree_v2", 5), ("cuMemFreeHost", 2)]
+        .into_iter()
+        .collect();
     let mut counts: BTreeMap<String, usize> = BTreeMap::new();
-    for e in cap.events.iter().filter(|e| e["pid"] == pid && e["api"].is_string()) {
-        *counts.entry(e["api"].as_str().unwrap().to_string()).or_default() += 1;
+    for e in cap
+        .events
+        .iter()
+        .filter(|e| e["pid"] == pid && e["api"].is_string())
+    {
+        *counts
+            .entry(e["api"].as_str().unwrap().to_string())
+            .or_default() += 1;
     }
-    assert_eq!(counts.len(), 72 - 2, "every probed variant but the init calls: {counts:?}");
+    assert_eq!(
+        counts.len(),
+        72 - 2,
+        "every probed variant but the init calls: {counts:?}"
+    );
     for (api, n) in &counts {
-        assert_eq!(*n, per_round.get(api.as_str()).unwrap_or(&1) * threads * iters, "{api}");
+        assert_eq!(
+            *n,
+            per_round.get(api.as_str()).unwrap_or(&1) * threads * iters,
+            "{api}"
+        );
     }
     // Calls came from exactly the worker threads, iters rounds each.
     let mut tids: BTreeMap<u64, usize> = BTreeMap::new();
@@ -145,7 +180,8 @@ fn ioctls_are_attributed_to_the_cuda_call_they_happen_in() {
     let mut by: BTreeMap<(String, String), usize> = BTreeMap::new();
     for e in &ioctls {
         let parent = e["parent_api"].as_str().unwrap_or("null").to_string();
-        *by.entry((parent, e["cmd"].as_str().unwrap().to_string())).or_default() += 1;
+        *by.entry((parent, e["cmd"].as_str().unwrap().to_string()))
+            .or_default() += 1;
     }
     let rounds = 2 * 3;
     let mut want: BTreeMap<(String, String), usize> = BTreeMap::new();
@@ -161,7 +197,11 @@ fn ioctls_are_attributed_to_the_cuda_call_they_happen_in() {
     assert_eq!(by, want);
 
     // The calls carry their ioctl count and time.
-    for e in cap.events.iter().filter(|e| e["pid"] == pid && e["api"].is_string() && e["type"] != "launch") {
+    for e in cap
+        .events
+        .iter()
+        .filter(|e| e["pid"] == pid && e["api"].is_string() && e["type"] != "launch")
+    {
         let api = e["api"].as_str().unwrap();
         let n = match api {
             "cuInit" => 3,
@@ -177,7 +217,10 @@ fn ioctls_are_attributed_to_the_cuda_call_they_happen_in() {
     let s = cap.process_summary(pid);
     assert_eq!(s["ioctl"]["count"], 5 + 7 * rounds + 2);
     assert_eq!(s["ioctl"]["in_calls"], 5 + 7 * rounds);
-    assert_eq!(cap.count(|e| e["type"] == "process_exit" && e["pid"] == pid), 1);
+    assert_eq!(
+        cap.count(|e| e["type"] == "process_exit" && e["pid"] == pid),
+        1
+    );
 }
 
 #[test]
@@ -202,10 +245,23 @@ fn pid_filter_sees_one_process_and_all_its_threads() {
     a.exit();
     // The observed process exited: the agent stops by itself.
     let cap = agent.finish();
-    assert!(cap.stderr.iter().any(|l| l.contains(&format!("process {pa} exited"))), "{:?}", cap.stderr);
-    assert_eq!(cap.count(|e| e["pid"] == pb), 0, "nothing from the other process");
+    assert!(
+        cap.stderr
+            .iter()
+            .any(|l| l.contains(&format!("process {pa} exited"))),
+        "{:?}",
+        cap.stderr
+    );
+    assert_eq!(
+        cap.count(|e| e["pid"] == pb),
+        0,
+        "nothing from the other process"
+    );
     assert_exact(&expected_calls(&ea), &cap, pa);
-    assert_eq!(cap.count(|e| e["type"] == "ioctl" && e["pid"] == pa), 7 * 12 + 2);
+    assert_eq!(
+        cap.count(|e| e["type"] == "ioctl" && e["pid"] == pa),
+        7 * 12 + 2
+    );
     let summaries = cap.count(|e| e["type"] == "summary" && e["scope"] == "process");
     assert_eq!(summaries, 1);
 }
@@ -218,7 +274,10 @@ fn library_loaded_after_attach_is_found_within_a_second() {
     let lib = fresh_lib(&dir, "libcuda.so.1");
     let mut w = Workload::start();
     // The process exists but has no libcuda: --pid waits and says so.
-    let agent = Agent::start(&dir, &["--pid", &w.pid.to_string(), "--interval-ms", "1000"]);
+    let agent = Agent::start(
+        &dir,
+        &["--pid", &w.pid.to_string(), "--interval-ms", "1000"],
+    );
     agent.wait_stderr("has no libcuda mapped yet; waiting", Duration::from_secs(5));
     w.cmd(&format!("load {}", lib.display()));
     let took = agent.wait_stderr("attached", Duration::from_secs(5));
@@ -242,7 +301,10 @@ fn a_full_ring_buffer_counts_every_drop() {
     let mut w = Workload::start();
     w.cmd(&format!("load {}", lib.display()));
     // One page of ring: a burst of launches must overflow it.
-    let agent = Agent::start(&dir, &["--pid", &w.pid.to_string(), "--ring-buffer-size", "4096"]);
+    let agent = Agent::start(
+        &dir,
+        &["--pid", &w.pid.to_string(), "--ring-buffer-size", "4096"],
+    );
     agent.wait_stderr("attached", Duration::from_secs(10));
     let burst = 200_000u64;
     w.cmd(&format!("burst {burst}"));
@@ -253,9 +315,19 @@ fn a_full_ring_buffer_counts_every_drop() {
     let captured = cap.count(|e| e["type"] == "launch" && e["pid"] == pid) as u64;
     let total = cap.total();
     let dropped = total["dropped_by_kind"]["launch"].as_u64().unwrap();
-    assert!(dropped > 0, "a 4 KiB ring cannot hold a burst of {burst} launches");
-    assert_eq!(captured + dropped, burst, "captured {captured} + dropped {dropped}");
-    assert_eq!(cap.process_summary(pid)["dropped"].as_u64().unwrap(), total["dropped"].as_u64().unwrap());
+    assert!(
+        dropped > 0,
+        "a 4 KiB ring cannot hold a burst of {burst} launches"
+    );
+    assert_eq!(
+        captured + dropped,
+        burst,
+        "captured {captured} + dropped {dropped}"
+    );
+    assert_eq!(
+        cap.process_summary(pid)["dropped"].as_u64().unwrap(),
+        total["dropped"].as_u64().unwrap()
+    );
     assert!(total["dropped"].as_u64().unwrap() >= dropped);
 }
 
@@ -276,13 +348,26 @@ fn a_library_lacking_expected_symbols_is_reported_and_still_probed() {
     let pid = w.pid;
     w.exit();
     let cap = agent.finish();
-    let line = cap.stderr.iter().find(|l| l.contains("does not export")).unwrap();
+    let line = cap
+        .stderr
+        .iter()
+        .find(|l| l.contains("does not export"))
+        .unwrap();
     for sym in ["cuLaunchKernel", "cuMemcpyHtoD_v2", "cuCtxSynchronize"] {
         assert!(line.contains(sym), "{line}");
     }
-    assert!(cap.stderr.iter().any(|l| l.contains("(2 entry points, 4 probes")), "{:?}", cap.stderr);
+    assert!(
+        cap.stderr
+            .iter()
+            .any(|l| l.contains("(2 entry points, 4 probes")),
+        "{:?}",
+        cap.stderr
+    );
     assert_exact(&expected_calls(&exp), &cap, pid);
-    assert_eq!(cap.count(|e| e["api"] == "cuMemAlloc_v2" && e["pid"] == pid), 6);
+    assert_eq!(
+        cap.count(|e| e["api"] == "cuMemAlloc_v2" && e["pid"] == pid),
+        6
+    );
 }
 
 #[test]
@@ -295,13 +380,22 @@ fn terminal_summary_names_the_process_and_its_totals() {
     w.cmd(&format!("load {}", lib.display()));
     let out = dir.join("summary.txt");
     let mut agent = std::process::Command::new(observer_bin())
-        .args(["--pid", &w.pid.to_string(), "--output", out.to_str().unwrap(), "--interval-ms", "200"])
+        .args([
+            "--pid",
+            &w.pid.to_string(),
+            "--output",
+            out.to_str().unwrap(),
+            "--interval-ms",
+            "200",
+        ])
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     let mut err = std::io::BufReader::new(agent.stderr.take().unwrap());
     let mut line = String::new();
-    while std::io::BufRead::read_line(&mut err, &mut line).unwrap() > 0 && !line.contains("attached") {
+    while std::io::BufRead::read_line(&mut err, &mut line).unwrap() > 0
+        && !line.contains("attached")
+    {
         line.clear();
     }
     w.cmd(&format!("run 2 10 {}", dir.join("e.jsonl").display()));
@@ -310,9 +404,17 @@ fn terminal_summary_names_the_process_and_its_totals() {
     assert!(agent.wait().unwrap().success());
     let text = std::fs::read_to_string(&out).unwrap();
     // 1500 calls, 140 ioctls (7 a round), 1 process exit.
-    assert!(text.contains(&format!("pid {pid} (cuda_workload), exited: 1641 events, 0 dropped")), "{text}");
+    assert!(
+        text.contains(&format!(
+            "pid {pid} (cuda_workload), exited: 1641 events, 0 dropped"
+        )),
+        "{text}"
+    );
     let count = |label: &str| -> u64 {
-        let line = text.lines().find(|l| l.trim_start().starts_with(label)).unwrap_or_else(|| panic!("{label}: {text}"));
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with(label))
+            .unwrap_or_else(|| panic!("{label}: {text}"));
         line.split_whitespace().nth(1).unwrap().parse().unwrap()
     };
     assert_eq!(count("launches"), 160, "{text}");
@@ -323,7 +425,10 @@ fn terminal_summary_names_the_process_and_its_totals() {
 
 #[test]
 fn unknown_pid_is_a_clear_error() {
-    let out = std::process::Command::new(observer_bin()).args(["--pid", "999999999"]).output().unwrap();
+    let out = std::process::Command::new(observer_bin())
+        .args(["--pid", "999999999"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("no process with pid 999999999"), "{err}");
@@ -333,7 +438,11 @@ fn unknown_pid_is_a_clear_error() {
 fn not_root_is_a_clear_error() {
     use std::os::unix::process::CommandExt;
     require_root();
-    let out = std::process::Command::new(observer_bin()).uid(65534).gid(65534).output().unwrap();
+    let out = std::process::Command::new(observer_bin())
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("needs root"), "{err}");

@@ -76,7 +76,10 @@ fn main() -> ExitCode {
 }
 
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 fn tools() -> PathBuf {
@@ -108,12 +111,19 @@ fn output(cmd: &mut Command) -> Result<String> {
 fn is_root() -> bool {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("Uid:")).map(|l| l.split_whitespace().nth(2) == Some("0")))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .map(|l| l.split_whitespace().nth(2) == Some("0"))
+        })
         .unwrap_or(false)
 }
 
 fn have(bin: &str) -> bool {
-    Command::new("sh").args(["-c", &format!("command -v {bin} >/dev/null")]).status().is_ok_and(|s| s.success())
+    Command::new("sh")
+        .args(["-c", &format!("command -v {bin} >/dev/null")])
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 /// Runs `cmd` as root: directly when we are root, else through sudo (when there is one).
@@ -125,7 +135,9 @@ fn as_root(cmd: &mut Command) -> Result<()> {
         bail!("this needs root (eBPF programs and uprobes) and there is no sudo: run it as root");
     }
     let mut sudo = Command::new("sudo");
-    sudo.arg("--preserve-env=GPU_OBSERVER_BIN,GPU_OBSERVER_FIXTURES,PATH").arg(cmd.get_program()).args(cmd.get_args());
+    sudo.arg("--preserve-env=GPU_OBSERVER_BIN,GPU_OBSERVER_FIXTURES,PATH")
+        .arg(cmd.get_program())
+        .args(cmd.get_args());
     for (k, v) in cmd.get_envs() {
         if let Some(v) = v {
             sudo.env(k, v);
@@ -138,8 +150,13 @@ fn as_root(cmd: &mut Command) -> Result<()> {
 }
 
 fn setup() -> Result<()> {
-    let sysroot = output(Command::new("rustc").args(["--print", "sysroot"]))?.trim().to_string();
-    if !Path::new(&sysroot).join("lib/rustlib/src/rust/library/core").is_dir() {
+    let sysroot = output(Command::new("rustc").args(["--print", "sysroot"]))?
+        .trim()
+        .to_string();
+    if !Path::new(&sysroot)
+        .join("lib/rustlib/src/rust/library/core")
+        .is_dir()
+    {
         eprintln!("xtask: installing rust-src");
         status(Command::new("rustup").args(["component", "add", "rust-src"]))?;
     }
@@ -150,21 +167,36 @@ fn setup() -> Result<()> {
         let llvm = std::fs::read_dir(&lib)?
             .flatten()
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .find(|n| n.starts_with("libLLVM.so.") || (n.starts_with("libLLVM-") && n.ends_with(".so")))
+            .find(|n| {
+                n.starts_with("libLLVM.so.") || (n.starts_with("libLLVM-") && n.ends_with(".so"))
+            })
             .context("rustc ships no libLLVM")?;
         let real = std::fs::canonicalize(lib.join(&llvm))?;
         let prefix = tools().join("llvm");
         let plib = prefix.join("lib");
         std::fs::create_dir_all(&plib)?;
-        for name in ["libLLVM.so".to_string(), real.file_name().unwrap().to_string_lossy().into_owned()] {
+        for name in [
+            "libLLVM.so".to_string(),
+            real.file_name().unwrap().to_string_lossy().into_owned(),
+        ] {
             let link = plib.join(name);
             let _ = std::fs::remove_file(&link);
             std::os::unix::fs::symlink(&real, &link)?;
         }
-        eprintln!("xtask: installing bpf-linker {BPF_LINKER_VERSION} into {}", tools().display());
+        eprintln!(
+            "xtask: installing bpf-linker {BPF_LINKER_VERSION} into {}",
+            tools().display()
+        );
         status(
             cargo()
-                .args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION, "--locked", "--no-default-features"])
+                .args([
+                    "install",
+                    "bpf-linker",
+                    "--version",
+                    BPF_LINKER_VERSION,
+                    "--locked",
+                    "--no-default-features",
+                ])
                 .args(["--features", "llvm-22", "--root"])
                 .arg(tools())
                 .env("LLVM_PREFIX", &prefix),
@@ -179,16 +211,25 @@ fn setup() -> Result<()> {
 
 fn apt(pkgs: &[&str]) -> Result<()> {
     let mut update = Command::new("apt-get");
-    update.arg("update").env("DEBIAN_FRONTEND", "noninteractive");
+    update
+        .arg("update")
+        .env("DEBIAN_FRONTEND", "noninteractive");
     as_root(&mut update)?;
     let mut install = Command::new("apt-get");
-    install.args(["install", "-y", "--no-install-recommends"]).args(pkgs).env("DEBIAN_FRONTEND", "noninteractive");
+    install
+        .args(["install", "-y", "--no-install-recommends"])
+        .args(pkgs)
+        .env("DEBIAN_FRONTEND", "noninteractive");
     as_root(&mut install)
 }
 
 fn fixtures() -> Result<PathBuf> {
     let out = root().join("target/fixtures");
-    status(Command::new("bash").arg(root().join("tests/fixtures/build.sh")).arg(&out))?;
+    status(
+        Command::new("bash")
+            .arg(root().join("tests/fixtures/build.sh"))
+            .arg(&out),
+    )?;
     Ok(out)
 }
 
@@ -199,7 +240,11 @@ fn build(release: bool) -> Result<PathBuf> {
         c.arg("--release");
     }
     status(&mut c)?;
-    Ok(root().join(if release { "target/release/gpu-observer" } else { "target/debug/gpu-observer" }))
+    Ok(root().join(if release {
+        "target/release/gpu-observer"
+    } else {
+        "target/debug/gpu-observer"
+    }))
 }
 
 fn run_observer(release: bool, args: &[OsString]) -> Result<()> {
@@ -210,7 +255,14 @@ fn run_observer(release: bool, args: &[OsString]) -> Result<()> {
 
 fn lint() -> Result<()> {
     status(cargo().args(["fmt", "--all", "--check"]))?;
-    status(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))
+    status(cargo().args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]))
 }
 
 fn test(lint_too: bool, args: &[OsString]) -> Result<()> {
@@ -223,7 +275,10 @@ fn test(lint_too: bool, args: &[OsString]) -> Result<()> {
     // Build the tests unprivileged, then run them as root (they load eBPF programs).
     status(cargo().args(["test", "--workspace", "--no-run"]))?;
     let mut t = cargo();
-    t.args(["test", "--workspace"]).args(args).env("GPU_OBSERVER_BIN", &bin).env("GPU_OBSERVER_FIXTURES", &fx);
+    t.args(["test", "--workspace"])
+        .args(args)
+        .env("GPU_OBSERVER_BIN", &bin)
+        .env("GPU_OBSERVER_FIXTURES", &fx);
     as_root(&mut t)
 }
 
@@ -246,8 +301,16 @@ fn bundle() -> Result<()> {
     let dir = root().join(".gpu-bundle");
     std::fs::create_dir_all(&dir)?;
     std::fs::copy(&bin, dir.join("gpu-observer"))?;
-    let commit = output(Command::new("git").args(["rev-parse", "--short", "HEAD"]).current_dir(root())).unwrap_or_default();
+    let commit = output(
+        Command::new("git")
+            .args(["rev-parse", "--short", "HEAD"])
+            .current_dir(root()),
+    )
+    .unwrap_or_default();
     std::fs::write(dir.join("COMMIT"), commit)?;
-    eprintln!("xtask: bundle in {} (carry `.gpu-bundle`, then run `bash gpu/validate.sh`)", dir.display());
+    eprintln!(
+        "xtask: bundle in {} (carry `.gpu-bundle`, then run `bash gpu/validate.sh`)",
+        dir.display()
+    );
     Ok(())
 }

@@ -150,7 +150,7 @@ pub const fn ioctl_type(cmd: u32) -> u32 {
 
 const _: () = {
     assert!(core::mem::size_of::<EventHeader>() == 40);
-    assert!(core::mem::size_of::<LaunchEvent>() % 8 == 0);
-    assert!(core::mem::size_of::<CallEvent>() % 8 == 0);
-    assert!(core::mem::size_of::<IoctlEvent>() % 8 == 0);
+    assert!(core::mem::size_of::<LaunchEvent>().is_multiple_of(8));
+    assert!(core::mem::size_of::<CallEvent>().is_multiple_of(8));
+    assert!(core::mem::size_of::<IoctlEvent>().is_multiple_of(8));
 };

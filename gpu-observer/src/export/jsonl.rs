@@ -224,11 +224,12 @@ impl<W: Write> JsonlWriter<W> {
         }
         write!(
             self.out,
-            "}},\"decode_errors\":{},\"processes\":{},\"forgotten_processes\":{},\"unattributed_drops\":{unattributed},\"wall_ns\":{wall_ns}}}\n",
+            "}},\"decode_errors\":{},\"processes\":{},\"forgotten_processes\":{},\"unattributed_drops\":{unattributed},\"wall_ns\":{wall_ns}}}",
             corr.decode_errors,
             corr.procs.len(),
             corr.forgotten
         )?;
+        self.out.write_all(b"\n")?;
         self.out.flush()
     }
 
