@@ -3,7 +3,8 @@
 #   1. baseline: launch_bench without the observer
 #   2. with the observer tracing all processes (JSONL to a file in /tmp)
 #   3. baseline again
-# then writes BENCH.md (ns/launch, ratio, overhead, observer events/dropped).
+# then writes BENCH.md (ns/launch, ratio, overhead, observer events/dropped;
+# also the batched "submit-only" cost per launch call, see launch_bench.cu).
 #
 # usage (as root, from the repo root):
 #   OBSERVER=.gpu-bundle/gpu-observer GIT_COMMIT=$(git rev-parse HEAD) gpu/bench.sh [OUTDIR]
@@ -13,7 +14,8 @@
 # stderr; not the JSONL).  Work files stay in $WORK_DIR (default
 # /tmp/gpu-bench-work.*).  Knobs: L (launches per round, 200000), R (rounds,
 # 5), NVCC, CUDA_ARCH, PYTHON, KEEP_JSONL=1 (keep the observer's JSONL, about
-# L*R lines, in the work dir), BENCH_TIMEOUT (180 s per run), STOP_TIMEOUT (60 s).
+# L*R lines, in the work dir), BENCH_TIMEOUT (180 s per run), STOP_TIMEOUT (60 s),
+# BENCH_CPU (CPU to pin launch_bench to with taskset; default 2, empty = no pin).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -26,6 +28,14 @@ PYTHON=${PYTHON:-python3}
 L=${L:-200000}
 R=${R:-5}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-180}
+# Pin the benchmark process to one CPU to reduce run-to-run noise
+# (BENCH_CPU= to disable). The observer itself is not pinned.
+if [[ -z ${BENCH_CPU+x} ]]; then
+    BENCH_CPU=""
+    if command -v taskset >/dev/null 2>&1 && (($(nproc 2>/dev/null || echo 1) >= 4)); then
+        BENCH_CPU=2
+    fi
+fi
 STOP_TIMEOUT=${STOP_TIMEOUT:-60} # the observer may have ~1M events to flush
 
 mkdir -p "$OUTDIR"
@@ -65,10 +75,16 @@ if ! "$NVCC_BIN" -O2 -arch="$ARCH" -cudart static -o "$WORK.bin/launch_bench" \
     die "nvcc build of launch_bench failed"
 fi
 
+PIN=()
+if [[ -n $BENCH_CPU ]]; then
+    PIN=(taskset -c "$BENCH_CPU")
+    log "benchmark pinned to CPU $BENCH_CPU"
+fi
+
 bench() { # name
     local rc=0
     timeout --signal=TERM --kill-after=10 "$BENCH_TIMEOUT" \
-        "$WORK.bin/launch_bench" "$L" "$R" "$WORK/$1.json" >"$WORK/$1.log" 2>&1 || rc=$?
+        "${PIN[@]}" "$WORK.bin/launch_bench" "$L" "$R" "$WORK/$1.json" >"$WORK/$1.log" 2>&1 || rc=$?
     sed 's/^/    /' "$WORK/$1.log" | tail -n 5
     ((rc == 0)) || die "launch_bench ($1) failed with rc=$rc"
 }

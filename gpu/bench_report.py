@@ -7,7 +7,7 @@ usage: bench_report.py --base1 B1.json --with W.json --base2 B2.json
 
 Reports ns/launch (median over rounds) without / with / again without the
 observer, the ratio with / mean(baselines), the overhead in microseconds per
-launch, the observer's summary (events, dropped) and how many of the
+launch, the same for the batched submit-only measurement when present, the observer's summary (events, dropped) and how many of the
 benchmark's timed launches the observer captured for its pid.
 """
 
@@ -89,13 +89,21 @@ def main():
     overhead_us = (nw - base) / 1000.0
     L = int(w.get("launches_per_round", 0))
     R = len(w.get("rounds", []))
+    LB = int(w.get("batched_launches_per_round", 0))
     windows = list(zip(w.get("window_start_ns", []), w.get("window_end_ns", [])))
+    windows += list(zip(w.get("batched_window_start_ns", []), w.get("batched_window_end_ns", [])))
     summary, captured, lines, apis, pid_seen = scan_events(a.events, int(w["pid"]), windows)
-    expected = L * R
+    expected = (L + LB) * R
+    has_submit = all("submit_ns_per_launch_median" in x for x in (b1, w, b2))
+    if has_submit:
+        s1, sw, s2 = (float(x["submit_ns_per_launch_median"]) for x in (b1, w, b2))
+        sbase = (s1 + s2) / 2.0
+        sratio = sw / sbase if sbase > 0 else float("nan")
+        s_over_us = (sw - sbase) / 1000.0
     drift = abs(n1 - n2) / base * 100.0 if base > 0 else float("nan")
 
-    def rounds(x):
-        return ", ".join(f"{r:.0f}" for r in x.get("rounds", []))
+    def rounds(x, key="rounds"):
+        return ", ".join(f"{r:.0f}" for r in x.get(key, []))
 
     md = ["# gpu-observer launch overhead benchmark", ""]
     md.append(f"Date: {env.get('date_utc', '?')}; GPU: {env.get('gpu', '?')}; "
@@ -116,12 +124,27 @@ def main():
     md.append(f"| **with observer** | **{nw:.1f}** | {rounds(w)} |")
     md.append(f"| without observer (after) | {n2:.1f} | {rounds(b2)} |")
     md.append("")
+    if has_submit:
+        md.append(f"Submit cost (secondary): each round also launches {LB} kernels in batches of "
+                  f"{w.get('batch', '?')} with a synchronize between batches, timing only the "
+                  "launch calls, so the queue never fills and the number is the CPU cost of one "
+                  "launch call.")
+        md.append("")
+        md.append("| run | submit ns/launch (median) | rounds |")
+        md.append("|---|---:|---|")
+        md.append(f"| without observer (before) | {s1:.1f} | {rounds(b1, 'submit_rounds')} |")
+        md.append(f"| **with observer** | **{sw:.1f}** | {rounds(w, 'submit_rounds')} |")
+        md.append(f"| without observer (after) | {s2:.1f} | {rounds(b2, 'submit_rounds')} |")
+        md.append("")
     md.append("| metric | value |")
     md.append("|---|---:|")
     md.append(f"| mean baseline ns/launch | {base:.1f} |")
     md.append(f"| ratio with / mean baseline | {ratio:.2f}x |")
     md.append(f"| overhead per launch | {overhead_us:.3f} µs |")
     md.append(f"| baseline drift (before vs after) | {drift:.1f}% |")
+    if has_submit:
+        md.append(f"| submit: ratio with / mean baseline | {sratio:.2f}x |")
+        md.append(f"| submit: overhead per launch call | {s_over_us:.3f} µs |")
     if summary is not None:
         md.append(f"| observer summary: events (all processes) | {summary.get('events')} |")
         md.append(f"| observer summary: dropped | {summary.get('dropped')} |")
@@ -139,6 +162,10 @@ def main():
     if captured is not None and not pid_seen:
         md.append("> WARN: no launch event carried the benchmark's pid (PID namespace?).")
         md.append("")
+    if drift > 5.0:
+        md.append(f"> Note: the two baselines differ by {drift:.1f}%; overheads smaller than that "
+                  "are within run-to-run noise.")
+        md.append("")
     md.append("Launches are asynchronous: once the launch queue is full the loop is paced by "
               "the GPU, so a small per-launch CPU overhead can be partly hidden; the ratio is "
               "an upper-level, end-to-end number for a launch-bound program.")
@@ -152,12 +179,19 @@ def main():
             "observer_events": summary.get("events") if summary else None,
             "observer_dropped": summary.get("dropped") if summary else None,
             "captured_launches": captured, "expected_launches": expected}
+    if has_submit:
+        summ.update({"submit_ns_without_before": s1, "submit_ns_with": sw,
+                     "submit_ns_without_after": s2, "submit_ratio": sratio,
+                     "submit_overhead_us_per_launch": s_over_us})
     if a.summary_json:
         with open(a.summary_json, "w", encoding="utf-8") as f:
             json.dump(summ, f, indent=1)
             f.write("\n")
     print(f"bench: without {n1:.1f} ns/launch, with {nw:.1f}, without again {n2:.1f}; "
           f"ratio {ratio:.2f}x; overhead {overhead_us:.3f} us/launch")
+    if has_submit:
+        print(f"bench: submit-only (batched) without {s1:.1f}, with {sw:.1f}, without again "
+              f"{s2:.1f} ns/launch; ratio {sratio:.2f}x; overhead {s_over_us:.3f} us/launch")
     print(f"bench: observer events={summ['observer_events']} dropped={summ['observer_dropped']}; "
           f"captured {captured}/{expected} timed launches for pid {w['pid']}")
     print(f"bench: wrote {a.out}")

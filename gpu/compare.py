@@ -106,6 +106,7 @@ def windows_from_workload(w):
         exp = {k: a.get(k) for k in ("launches", "htod", "dtoh", "htod_bytes", "dtoh_bytes",
                                      "stream_syncs")}
         exp["ptds"] = False
+        exp["selfcheck"] = a.get("profiler_selfcheck")
         wins.append(Window("phaseA", "phase A (exact by construction)", as_int(a["start_ns"]),
                            as_int(a["end_ns"]), exp, "exact"))
     if "phaseB" in w:
@@ -385,6 +386,18 @@ def main():
                 f"{d} `{api}` ({n})" for (d, api), n in st.memcpy_dir_api.most_common(8)))
         if st.ioctls:
             md.append(f"- ioctls: {st.ioctls}, by parent_api: {top_items(st.ioctl_parent, 6)}")
+        selfcheck_line = None
+        sc_ = win.expected.get("selfcheck")
+        if isinstance(sc_, dict) and "consistent" in sc_:
+            line = (f"workload self-check under torch.profiler ({sc_.get('iterations')} extra "
+                    f"iterations outside the window): kernels={sc_.get('kernels')} "
+                    f"memcpy={sc_.get('memcpy')} memset={sc_.get('memset')} -> "
+                    f"{'consistent with the expected counts' if sc_['consistent'] else 'NOT consistent: expected counts may be wrong'}")
+            md.append(f"- {line}")
+            selfcheck_line = line
+            if not sc_["consistent"]:
+                notes.append("WARN: phase A self-check under the profiler disagrees with the "
+                             "expected per-iteration counts")
         md.append("")
 
         con.append(f"-- {win.key} [{status}] window {dur_ms:.1f} ms")
@@ -394,6 +407,8 @@ def main():
                        f"{pct(exp, cap):>7}{flag}")
         con.append("   per-API in window: " + ", ".join(
             f"{t}/{api}={n}" for (t, api), n in st.by_type_api.most_common(12)))
+        if selfcheck_line:
+            con.append(f"   {selfcheck_line}")
         result["windows"].append({
             "key": win.key, "status": status, "duration_ms": dur_ms,
             "checks": [{"metric": m, "expected": e, "captured": c, "strict": s}

@@ -130,18 +130,21 @@ run_one() {
     stop_observer
     log "workload rc=$rc, observer rc=$OBS_RC, jsonl $(wc -l 2>/dev/null <"$jsonl" || echo 0) lines"
     tail -n 3 "$err" 2>/dev/null | sed 's/^/    observer: /' || true
+    local events=$jsonl
+    if [[ ! -s $jsonl ]]; then
+        STATUS[$name]="FAIL (no observer output)"
+    elif [[ ${KEEP_RAW:-0} != 1 ]] && command -v gzip >/dev/null 2>&1; then
+        gzip -f -1 "$jsonl" && events=$jsonl.gz
+    fi
     if ((rc != 0)); then
         sed 's/^/    workload: /' "$wlog" | tail -n 25
         STATUS[$name]="FAIL (workload rc=$rc)"
         return 0
     fi
     sed 's/^/    workload: /' "$wlog" | tail -n 4
-    if [[ ! -s $jsonl ]]; then
-        STATUS[$name]="FAIL (no observer output)"
-        return 0
-    fi
+    [[ -z ${STATUS[$name]:-} ]] || return 0
     local crc=0
-    "$PYTHON" "$HERE/compare.py" --workload "$wjson" --events "$jsonl" --name "$name" \
+    "$PYTHON" "$HERE/compare.py" --workload "$wjson" --events "$events" --name "$name" \
         --title "$title" --comm-hint "$hint" \
         --section-out "$WORK/$name.section.md" --result-out "$WORK/$name.result.json" || crc=$?
     case $crc in
@@ -152,9 +155,6 @@ run_one() {
     if [[ ${OBS_RC:-0} != 0 ]]; then
         warn "observer exit status $OBS_RC (expected 0 after SIGINT)"
         if [[ ${STATUS[$name]} == PASS ]]; then STATUS[$name]="PASS (observer rc=$OBS_RC)"; fi
-    fi
-    if [[ ${KEEP_RAW:-0} != 1 ]] && command -v gzip >/dev/null 2>&1; then
-        gzip -f -1 "$jsonl" || true
     fi
     return 0
 }

@@ -30,6 +30,8 @@ pub mod config {
     pub const FILTER_TGID: u32 = 0;
     /// The agent's own tgid: never observed (it loads NVML/CUDA itself later).
     pub const AGENT_TGID: u32 = 1;
+    /// Non-zero: every program returns at once (set while the agent shuts down).
+    pub const DISABLED: u32 = 2;
     pub const LEN: u32 = 4;
 }
 

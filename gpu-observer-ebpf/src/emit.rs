@@ -40,6 +40,9 @@ fn config(slot: u32) -> u32 {
 /// Whether a probed libcuda call of this process is recorded (`--pid` filter, never the agent).
 #[inline(always)]
 pub fn wanted(ids: Ids) -> bool {
+    if disabled() {
+        return false;
+    }
     let filter = config(config::FILTER_TGID);
     (filter == 0 || filter == ids.tgid) && config(config::AGENT_TGID) != ids.tgid
 }
@@ -54,7 +57,13 @@ pub fn mark_observed(ids: Ids) {
 
 #[inline(always)]
 pub fn is_observed(tgid: u32) -> bool {
-    OBSERVED.get_ptr(tgid).is_some()
+    !disabled() && OBSERVED.get_ptr(tgid).is_some()
+}
+
+/// The agent is shutting down: probes still attached must cost as little as possible.
+#[inline(always)]
+pub fn disabled() -> bool {
+    config(config::DISABLED) != 0
 }
 
 #[inline(always)]

@@ -223,6 +223,8 @@ async fn observe(cli: Cli) -> Result<()> {
         }
     }
 
+    // Programs stop producing first, so the reader's last drain sees everything they produced.
+    at.probes.disable()?;
     let output = reader.stop()?;
     let drops = at.probes.drops()?;
     let wall_ns = started.elapsed().as_nanos() as u64;
@@ -249,6 +251,8 @@ async fn observe(cli: Cli) -> Result<()> {
             out.flush()?;
         }
     }
+    drop(corr);
+    at.probes.release_in_background();
     Ok(())
 }
 

@@ -63,6 +63,7 @@ check "pid mismatch without hint -> fail" 1 "$(cmp_rc "$T/c5" c5b)"
 "$PY" "$HERE/synth.py" torch "$T/t1"
 check "torch exact (A and B)" 0 "$(cmp_rc "$T/t1" t1 --comm-hint python)"
 check "summary dropped reported" 0 "$(has "dropped=3" "$T/t1.out")"
+check "phase A self-check shown" 0 "$(has "consistent with the expected" "$T/t1.section.md")"
 
 "$PY" "$HERE/synth.py" torch "$T/t2" --memset-extra 2
 check "torch extra memset is informational" 0 "$(cmp_rc "$T/t2" t2)"
@@ -96,7 +97,8 @@ rc=0
 "$PY" "$GPU/bench_report.py" --base1 "$T/b.base.json" --with "$T/b.json" --base2 "$T/b.base.json" \
     --events "$T/b.jsonl" --env "$T/env.json" --out "$T/BENCH.md" --summary-json "$T/bs.json" >"$T/b.out" || rc=$?
 check "bench_report" 0 "$rc"
-check "bench_report counts captured launches" 0 "$(has "2995 / 3000" "$T/BENCH.md")"
+check "bench_report counts captured launches" 0 "$(has "3763 / 3768" "$T/BENCH.md")"
+check "bench_report has submit overhead" 0 "$(has "submit: overhead per launch call | 0.600" "$T/BENCH.md")"
 
 # --- lib.sh observer lifecycle with the fake observer
 lifecycle() { # mode -> prints start-rc stop-rc summary-present

@@ -119,7 +119,9 @@ def torch_(a):
     out.append({"type": "summary", "ts_ns": b_end + 1, "events": len(out), "dropped": 3})
     w = {"workload": "torch_loop", "pid": PID, "phaseA": {
         "start_ns": a_start, "end_ns": a_end, "launches": n, "htod": n, "dtoh": n,
-        "stream_syncs": n, "bytes_per_copy": 1 << 20, "htod_bytes": n << 20, "dtoh_bytes": n << 20},
+        "stream_syncs": n, "bytes_per_copy": 1 << 20, "htod_bytes": n << 20, "dtoh_bytes": n << 20,
+        "profiler_selfcheck": {"iterations": 10, "kernels": 10, "memcpy": 20, "memset": 0,
+                               "consistent": True}},
         "phaseB": {"start_ns": b_start, "end_ns": b_end, "profiler_kernels": kernels,
                    "profiler_memcpy": 0, "profiler_memset": 0,
                    "profiler_count_method": "synthetic"}}
@@ -140,12 +142,29 @@ def bench(a):
                           "launch_bench", kernel="_Z12empty_kernelv"))
         ends.append(t + L + 2)
         t += 10_000
+    bstarts, bends = [], []
+    LB = 256
+    for r in range(R):
+        bstarts.append(t)
+        for i in range(LB):
+            out.append(ev("launch", t + 1 + i, "cuLaunchKernel", PID + a.pid_offset,
+                          "launch_bench", kernel="_Z12empty_kernelv"))
+            if i % 128 == 127:
+                out.append(ev("sync", t + 1 + i, "cuCtxSynchronize", PID + a.pid_offset,
+                              "launch_bench", duration_ns=5000))
+        bends.append(t + LB + 2)
+        t += 10_000
     out.append({"type": "summary", "ts_ns": t, "events": len(out), "dropped": 0})
     base = {"workload": "launch_bench", "pid": PID + 7, "launches_per_round": L,
             "ns_per_launch_median": 2500.0, "rounds": [2500.0, 2490.0, 2510.0],
-            "window_start_ns": [0, 0, 0], "window_end_ns": [1, 1, 1]}
+            "window_start_ns": [0, 0, 0], "window_end_ns": [1, 1, 1],
+            "submit_ns_per_launch_median": 1500.0, "submit_rounds": [1500.0, 1490.0, 1510.0],
+            "batched_launches_per_round": LB, "batch": 128,
+            "batched_window_start_ns": [0, 0, 0], "batched_window_end_ns": [1, 1, 1]}
     w = dict(base, pid=PID, ns_per_launch_median=3100.0, rounds=[3100.0, 3090.0, 3120.0],
-             window_start_ns=starts, window_end_ns=ends)
+             window_start_ns=starts, window_end_ns=ends, submit_ns_per_launch_median=2100.0,
+             submit_rounds=[2100.0, 2050.0, 2110.0], batched_window_start_ns=bstarts,
+             batched_window_end_ns=bends)
     return (base, w), out
 
 

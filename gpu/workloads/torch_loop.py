@@ -13,6 +13,10 @@ Phase A (exact by construction), N iterations of:
   Everything is warmed up first; the window is taken with time.monotonic_ns()
   after torch.cuda.synchronize() at both ends.
 
+Self-check (outside every window): 10 more phase A iterations run under
+torch.profiler; the JSON records whether the profiler saw exactly 10 kernels,
+20 memcpys and 0 memsets ("phaseA.profiler_selfcheck").
+
 Phase B (cross-check against CUPTI via torch.profiler): M iterations of a small
 training step (Linear -> ReLU -> Linear, MSE, backward, SGD step) inside a
 profiler session (activities CPU + CUDA).  Warm-up: one unprofiled iteration
@@ -97,9 +101,36 @@ def phase_a(torch, n, elems):
         one(i)
     torch.cuda.synchronize()
     end = time.monotonic_ns()
-    return {"start_ns": start, "end_ns": end, "launches": n, "htod": n, "dtoh": n,
-            "stream_syncs": n, "bytes_per_copy": elems * 4,
-            "htod_bytes": n * elems * 4, "dtoh_bytes": n * elems * 4}
+    res = {"start_ns": start, "end_ns": end, "launches": n, "htod": n, "dtoh": n,
+           "stream_syncs": n, "bytes_per_copy": elems * 4,
+           "htod_bytes": n * elems * 4, "dtoh_bytes": n * elems * 4}
+    return res, one
+
+
+def phase_a_selfcheck(torch, one, tmpdir, k=10):
+    """After the phase A window: run k more phase A iterations under the
+    profiler to confirm "1 kernel + 2 memcpy per iteration" holds on this
+    torch build (so a mismatch in the report cannot come from this script)."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    warnings.filterwarnings("ignore", message=".*[Pp]rofiler clears events.*")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        for i in range(k):
+            one(2000 + i)
+        torch.cuda.synchronize()
+    path = os.path.join(tmpdir, "phaseA_check.json")
+    prof.export_chrome_trace(path)
+    cats, api = count_from_trace(path)
+    got = {"iterations": k, "kernels": cats.get("kernel", 0), "memcpy": cats.get("gpu_memcpy", 0),
+           "memset": cats.get("gpu_memset", 0), "api_calls": dict(api.most_common(12))}
+    got["consistent"] = (got["kernels"], got["memcpy"], got["memset"]) == (k, 2 * k, 0)
+    if not got["consistent"]:
+        print(f"torch_loop: WARN: phase A self-check under the profiler: {got} "
+              f"(expected {k} kernels, {2 * k} memcpy, 0 memset)", file=sys.stderr, flush=True)
+    return got
 
 
 def count_from_trace(path):
@@ -252,8 +283,12 @@ def main():
     print(f"torch_loop: pid={os.getpid()} torch={torch.__version__} cuda={torch.version.cuda} "
           f"device={torch.cuda.get_device_name(0)}", flush=True)
 
-    pa = phase_a(torch, a.n, a.elems)
+    pa, one = phase_a(torch, a.n, a.elems)
     with tempfile.TemporaryDirectory(prefix="torch_loop_") as td:
+        try:
+            pa["profiler_selfcheck"] = phase_a_selfcheck(torch, one, td)
+        except Exception as exc:  # informational only
+            pa["profiler_selfcheck"] = {"error": repr(exc)}
         pb = phase_b(torch, a.m, td)
 
     out = {"workload": "torch_loop", "pid": os.getpid(), "torch": torch.__version__,

@@ -287,8 +287,8 @@ fn bench(calls: u64) -> Result<()> {
     let fx = fixtures()?;
     let bin = build(true)?;
     as_root(
-        Command::new("bash")
-            .arg(root().join("bench/events_per_second.sh"))
+        Command::new("python3")
+            .arg(root().join("bench/events_per_second.py"))
             .env("GPU_OBSERVER_BIN", &bin)
             .env("GPU_OBSERVER_FIXTURES", &fx)
             .env("CALLS", calls.to_string()),

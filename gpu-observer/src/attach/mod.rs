@@ -148,6 +148,58 @@ impl Probes {
         Ok(Some(report))
     }
 
+    /// Stops every program (they return at their first instruction) without detaching.
+    pub fn disable(&mut self) -> Result<()> {
+        let mut cfg: Array<_, u32> = Array::try_from(map_mut(&mut self.ebpf, names::CONFIG)?)?;
+        cfg.set(config::DISABLED, 1, 0)?;
+        Ok(())
+    }
+
+    /// Detaches everything after this process has exited, so exit is immediate.
+    ///
+    /// Each uprobe detach waits for RCU grace periods under the kernel's `event_mutex`
+    /// (~85 ms each, measured here): the ~140 probes of one libcuda take ~12 s, in parallel or
+    /// not. Kernel uprobe-multi links release all offsets with one wait, but aya 0.14 cannot
+    /// create them. So a child process inherits the probe descriptors and releases them in the
+    /// background after we exit; the programs are disabled first, so the probes left for those
+    /// seconds cost the observed processes only the uprobe trap.
+    pub fn release_in_background(mut self) {
+        if self.disable().is_err() {
+            return; // keep the probes in this process: dropping them detaches, slowly but surely
+        }
+        let parent = std::process::id() as i32;
+        // SAFETY: the child only calls async-signal-safe functions (setsid, open, dup2, getppid,
+        // nanosleep, _exit).
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            // SAFETY: as above. The child holds the last references once the parent is gone;
+            // its exit then releases the probes.
+            unsafe {
+                libc::setsid();
+                let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+                if null >= 0 {
+                    for fd in 0..3 {
+                        libc::dup2(null, fd);
+                    }
+                }
+                let tick = libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: 10_000_000,
+                };
+                let mut waited = 0;
+                while libc::getppid() == parent && waited < 6000 {
+                    libc::nanosleep(&tick, std::ptr::null_mut());
+                    waited += 1;
+                }
+                libc::_exit(0);
+            }
+        }
+        // Parent (or fork failed): our copies close fast while the child holds the probes.
+        if pid > 0 {
+            std::mem::forget(self);
+        }
+    }
+
     /// Records a process's ioctls from now on (it maps libcuda, but may not have called it yet).
     pub fn observe_pid(&mut self, pid: u32) -> Result<()> {
         let mut observed: BpfHashMap<_, u32, u32> =
