@@ -42,6 +42,11 @@ pub struct Cli {
     #[arg(long, value_name = "PATH")]
     pub libcuda: Vec<PathBuf>,
 
+    /// Attach perf-event uprobes instead of uprobe-multi links (the fallback for kernels before
+    /// 6.6; for troubleshooting). They take ~85 ms each to detach at exit.
+    #[arg(long, hide = true)]
+    pub perf_uprobes: bool,
+
     /// How often to look for new libcuda files and refresh the terminal view, in milliseconds.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(50..=60_000))]
     pub interval_ms: u64,

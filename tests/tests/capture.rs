@@ -447,3 +447,31 @@ fn not_root_is_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("needs root"), "{err}");
 }
+
+#[test]
+fn perf_event_uprobe_fallback_captures_the_same_calls() {
+    let _g = serial();
+    require_root();
+    let dir = scratch("perf");
+    let lib = fresh_lib(&dir, "libcuda.so.1");
+    let mut w = Workload::start();
+    w.cmd(&format!("load {}", lib.display()));
+    let agent = Agent::start(&dir, &["--pid", &w.pid.to_string(), "--perf-uprobes"]);
+    agent.wait_stderr("(72 entry points, 136 probes", Duration::from_secs(10));
+    assert!(
+        agent
+            .stderr()
+            .iter()
+            .any(|l| l.contains("using perf-event uprobes"))
+    );
+    let exp = dir.join("expected.jsonl");
+    w.cmd(&format!("run 2 2 {}", exp.display()));
+    let pid = w.pid;
+    w.exit();
+    let cap = agent.finish();
+    assert_exact(&expected_calls(&exp), &cap, pid);
+    assert_eq!(
+        cap.count(|e| e["type"] == "ioctl" && e["pid"] == pid),
+        7 * 4
+    );
+}

@@ -2,6 +2,7 @@
 //! observed processes map (each file once, every probed variant it exports).
 
 pub mod discover;
+mod multi;
 pub mod symbols;
 
 use std::{collections::HashMap, num::NonZeroU32, path::Path};
@@ -42,11 +43,45 @@ pub struct Probes {
     ebpf: Ebpf,
     scope: UProbeScope,
     attached: HashMap<FileKey, String>,
+    /// uprobe-multi programs, or None when the kernel lacks them (perf-event uprobes instead).
+    multi: Option<multi::MultiPrograms>,
+    /// uprobe-multi links (one per program and library); dropping one detaches it.
+    links: Vec<std::os::fd::OwnedFd>,
+}
+
+const UPROBE_PROGRAMS: [&str; 5] = [
+    names::PROG_LAUNCH_KERNEL,
+    names::PROG_LAUNCH_KERNEL_EX,
+    names::PROG_GRAPH_LAUNCH,
+    names::PROG_API_ENTER,
+    names::PROG_API_EXIT,
+];
+
+/// The offsets one uprobe-multi link covers.
+#[derive(Default)]
+struct LinkGroup {
+    prog: &'static str,
+    /// Return probe (`BPF_F_UPROBE_MULTI_RETURN`).
+    ret: bool,
+    apis: Vec<&'static str>,
+    offsets: Vec<u64>,
+    cookies: Vec<u64>,
+}
+
+/// The entry program for an API, and whether it also gets the return program.
+fn programs_for(family: Family) -> (&'static str, bool) {
+    let entry = match family {
+        Family::Launch => names::PROG_LAUNCH_KERNEL,
+        Family::LaunchEx => names::PROG_LAUNCH_KERNEL_EX,
+        Family::GraphLaunch => names::PROG_GRAPH_LAUNCH,
+        _ => names::PROG_API_ENTER,
+    };
+    (entry, family.has_return_probe())
 }
 
 impl Probes {
     /// Loads and verifies the programs and hooks the tracepoints; no uprobe is attached yet.
-    pub fn load(ring_bytes: u32, pid_filter: Option<u32>) -> Result<Self> {
+    pub fn load(ring_bytes: u32, pid_filter: Option<u32>, perf_uprobes: bool) -> Result<Self> {
         let mut ebpf = EbpfLoader::new()
             .map_max_entries(names::EVENTS, ring_bytes)
             .load(EBPF_OBJECT)
@@ -56,17 +91,25 @@ impl Probes {
             cfg.set(config::FILTER_TGID, pid_filter.unwrap_or(0), 0)?;
             cfg.set(config::AGENT_TGID, std::process::id(), 0)?;
         }
-        for name in [
-            names::PROG_LAUNCH_KERNEL,
-            names::PROG_LAUNCH_KERNEL_EX,
-            names::PROG_GRAPH_LAUNCH,
-            names::PROG_API_ENTER,
-            names::PROG_API_EXIT,
-        ] {
-            uprobe(&mut ebpf, name)?
-                .load()
-                .map_err(crate::preflight::explain_program_error(name))?;
-        }
+        let loaded = if perf_uprobes {
+            Err(anyhow!("--perf-uprobes"))
+        } else {
+            multi::MultiPrograms::load(&ebpf, EBPF_OBJECT, &UPROBE_PROGRAMS)
+        };
+        let multi = match loaded {
+            Ok(m) => Some(m),
+            Err(e) => {
+                eprintln!(
+                    "gpu-observer: note: uprobe-multi links unavailable ({e:#}); using perf-event uprobes (slower to detach)"
+                );
+                for name in UPROBE_PROGRAMS {
+                    uprobe(&mut ebpf, name)?
+                        .load()
+                        .map_err(crate::preflight::explain_program_error(name))?;
+                }
+                None
+            }
+        };
         for (name, category, event) in [
             (names::PROG_IOCTL_ENTER, "syscalls", "sys_enter_ioctl"),
             (names::PROG_IOCTL_EXIT, "syscalls", "sys_exit_ioctl"),
@@ -90,6 +133,8 @@ impl Probes {
             ebpf,
             scope,
             attached: HashMap::new(),
+            multi,
+            links: Vec::new(),
         })
     }
 
@@ -114,16 +159,96 @@ impl Probes {
             missing_required: syms.missing_required.clone(),
             failed: Vec::new(),
         };
+        if self.multi.is_some() {
+            self.attach_multi(path, &syms, &mut report)?;
+        } else {
+            self.attach_perf(path, &syms, &mut report)?;
+        }
+        self.attached.insert(key, path.display().to_string());
+        Ok(Some(report))
+    }
+
+    /// One uprobe-multi link per program for this file.
+    fn attach_multi(
+        &mut self,
+        path: &Path,
+        syms: &symbols::LibrarySymbols,
+        report: &mut AttachReport,
+    ) -> Result<()> {
+        let multi = self.multi.as_ref().expect("checked by the caller");
+        let cpath = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+            .with_context(|| format!("path {} has a NUL byte", path.display()))?;
+        let pid = match self.scope {
+            UProbeScope::OneProcess(p) => p.get(),
+            _ => 0,
+        };
+        let mut groups: Vec<LinkGroup> = Vec::new();
         for (&id, &offset) in &syms.offsets {
             let spec = api::by_id(id).expect("ids come from the table");
-            let entry_prog = match spec.family {
-                Family::Launch => names::PROG_LAUNCH_KERNEL,
-                Family::LaunchEx => names::PROG_LAUNCH_KERNEL_EX,
-                Family::GraphLaunch => names::PROG_GRAPH_LAUNCH,
-                _ => names::PROG_API_ENTER,
-            };
-            let mut progs = vec![entry_prog];
-            if spec.family.has_return_probe() {
+            let (entry, with_return) = programs_for(spec.family);
+            let mut targets = vec![(entry, false)];
+            if with_return {
+                targets.push((names::PROG_API_EXIT, true));
+            }
+            for (prog, ret) in targets {
+                let i = match groups.iter().position(|g| g.prog == prog && g.ret == ret) {
+                    Some(i) => i,
+                    None => {
+                        groups.push(LinkGroup {
+                            prog,
+                            ret,
+                            ..Default::default()
+                        });
+                        groups.len() - 1
+                    }
+                };
+                let g = &mut groups[i];
+                g.apis.push(spec.name);
+                g.offsets.push(offset);
+                g.cookies.push(api::cookie(id));
+            }
+        }
+        let mut failed: std::collections::HashSet<&'static str> = std::collections::HashSet::new();
+        for LinkGroup {
+            prog,
+            ret,
+            apis,
+            offsets,
+            cookies,
+        } in groups
+        {
+            match multi.attach(prog, &cpath, &offsets, &cookies, ret, pid) {
+                Ok(link) => {
+                    self.links.push(link);
+                    report.probes += offsets.len();
+                }
+                Err(e) => {
+                    for name in apis {
+                        if failed.insert(name) {
+                            report
+                                .failed
+                                .push((name, format!("uprobe-multi link for {prog}: {e}")));
+                        }
+                    }
+                }
+            }
+        }
+        report.entry_points = syms.offsets.len() - failed.len();
+        Ok(())
+    }
+
+    /// Perf-event uprobes through aya, one per entry point and program.
+    fn attach_perf(
+        &mut self,
+        path: &Path,
+        syms: &symbols::LibrarySymbols,
+        report: &mut AttachReport,
+    ) -> Result<()> {
+        for (&id, &offset) in &syms.offsets {
+            let spec = api::by_id(id).expect("ids come from the table");
+            let (entry, with_return) = programs_for(spec.family);
+            let mut progs = vec![entry];
+            if with_return {
                 progs.push(names::PROG_API_EXIT);
             }
             let mut ok = true;
@@ -144,8 +269,7 @@ impl Probes {
                 report.entry_points += 1;
             }
         }
-        self.attached.insert(key, path.display().to_string());
-        Ok(Some(report))
+        Ok(())
     }
 
     /// Stops every program (they return at their first instruction) without detaching.
@@ -153,51 +277,6 @@ impl Probes {
         let mut cfg: Array<_, u32> = Array::try_from(map_mut(&mut self.ebpf, names::CONFIG)?)?;
         cfg.set(config::DISABLED, 1, 0)?;
         Ok(())
-    }
-
-    /// Detaches everything after this process has exited, so exit is immediate.
-    ///
-    /// Each uprobe detach waits for RCU grace periods under the kernel's `event_mutex`
-    /// (~85 ms each, measured here): the ~140 probes of one libcuda take ~12 s, in parallel or
-    /// not. Kernel uprobe-multi links release all offsets with one wait, but aya 0.14 cannot
-    /// create them. So a child process inherits the probe descriptors and releases them in the
-    /// background after we exit; the programs are disabled first, so the probes left for those
-    /// seconds cost the observed processes only the uprobe trap.
-    pub fn release_in_background(mut self) {
-        if self.disable().is_err() {
-            return; // keep the probes in this process: dropping them detaches, slowly but surely
-        }
-        let parent = std::process::id() as i32;
-        // SAFETY: the child only calls async-signal-safe functions (setsid, open, dup2, getppid,
-        // nanosleep, _exit).
-        let pid = unsafe { libc::fork() };
-        if pid == 0 {
-            // SAFETY: as above. The child holds the last references once the parent is gone;
-            // its exit then releases the probes.
-            unsafe {
-                libc::setsid();
-                let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
-                if null >= 0 {
-                    for fd in 0..3 {
-                        libc::dup2(null, fd);
-                    }
-                }
-                let tick = libc::timespec {
-                    tv_sec: 0,
-                    tv_nsec: 10_000_000,
-                };
-                let mut waited = 0;
-                while libc::getppid() == parent && waited < 6000 {
-                    libc::nanosleep(&tick, std::ptr::null_mut());
-                    waited += 1;
-                }
-                libc::_exit(0);
-            }
-        }
-        // Parent (or fork failed): our copies close fast while the child holds the probes.
-        if pid > 0 {
-            std::mem::forget(self);
-        }
     }
 
     /// Records a process's ioctls from now on (it maps libcuda, but may not have called it yet).
