@@ -3,7 +3,7 @@
 //! Bounded: live allocations are capped per process, and exited processes keep only their
 //! counters (and are forgotten past a cap, counted).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use gpu_observer_common::api::{Direction, Family, MemKind};
 
@@ -108,7 +108,7 @@ pub struct Correlator {
     pub decode_errors: u64,
     /// Exited processes forgotten because of [`MAX_EXITED`].
     pub forgotten: u64,
-    exited_order: Vec<u32>,
+    exited_order: VecDeque<u32>,
 }
 
 impl Correlator {
@@ -202,10 +202,12 @@ impl Correlator {
             Body::ProcessExit => {
                 p.exited = true;
                 p.live = HashMap::new();
-                self.exited_order.push(ev.pid);
+                self.exited_order.push_back(ev.pid);
                 if self.exited_order.len() > MAX_EXITED {
-                    let old = self.exited_order.remove(0);
-                    if self.procs.get(&old).is_some_and(|p| p.exited) {
+                    let old = self.exited_order.pop_front();
+                    if let Some(old) = old
+                        && self.procs.get(&old).is_some_and(|p| p.exited)
+                    {
                         self.procs.remove(&old);
                         self.forgotten += 1;
                     }

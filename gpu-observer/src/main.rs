@@ -102,11 +102,13 @@ impl Attacher {
             Some(pid) => discover::scan_pid(pid),
             None => discover::scan_all(),
         };
+        let mut now = HashSet::with_capacity(self.known_pids.len());
         for lib in &libs {
             if !self.probes.is_attached(&lib.key) {
                 self.attach(&lib.host_path, lib.key, Some(lib.pid));
             }
-            if self.known_pids.insert(lib.pid)
+            if !self.known_pids.contains(&lib.pid)
+                && !now.contains(&lib.pid)
                 && let Err(e) = self.probes.observe_pid(lib.pid)
             {
                 say(format_args!(
@@ -114,7 +116,10 @@ impl Attacher {
                     lib.pid
                 ));
             }
+            now.insert(lib.pid);
         }
+        // Only processes mapping libcuda now: bounded, and a reused pid is marked again.
+        self.known_pids = now;
         libs.len()
     }
 }
