@@ -14,17 +14,15 @@ use gpu_observer_common::{
 };
 
 use crate::{
-    emit::{current, header, mark_observed, now, reserve, submit, wanted},
+    emit::{current, enter, header, now, reserve, submit},
     maps::INFLIGHT,
 };
 
 #[uprobe]
 pub fn api_enter(ctx: ProbeContext) -> u32 {
-    let ids = current();
-    if !wanted(ids) {
+    let Some(ids) = enter() else {
         return 0;
-    }
-    mark_observed(ids);
+    };
     if let Some(p) = INFLIGHT.get_ptr_mut(ids.tid) {
         // A probed call made from inside another (the driver calling its own exported entry):
         // only the outer one is reported; its return probe fires last.

@@ -39,7 +39,7 @@ fn config(slot: u32) -> u32 {
 
 /// Whether a probed libcuda call of this process is recorded (`--pid` filter, never the agent).
 #[inline(always)]
-pub fn wanted(ids: Ids) -> bool {
+fn wanted(ids: Ids) -> bool {
     if disabled() {
         return false;
     }
@@ -47,9 +47,20 @@ pub fn wanted(ids: Ids) -> bool {
     (filter == 0 || filter == ids.tgid) && config(config::AGENT_TGID) != ids.tgid
 }
 
+/// Prologue of every uprobe: the caller's ids if this process is observed (and now marked so).
+#[inline(always)]
+pub fn enter() -> Option<Ids> {
+    let ids = current();
+    if !wanted(ids) {
+        return None;
+    }
+    mark_observed(ids);
+    Some(ids)
+}
+
 /// Calls of probed libcuda functions make a process observed: its ioctls are recorded from now on.
 #[inline(always)]
-pub fn mark_observed(ids: Ids) {
+fn mark_observed(ids: Ids) {
     if OBSERVED.get_ptr(ids.tgid).is_none() {
         let _ = OBSERVED.insert(ids.tgid, 1, 0);
     }

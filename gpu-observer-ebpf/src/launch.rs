@@ -11,7 +11,7 @@ use gpu_observer_common::{
     event::{EventKind, LaunchEvent, read_error},
 };
 
-use crate::emit::{current, header, mark_observed, now, reserve, submit, wanted};
+use crate::emit::{enter, header, now, reserve, submit};
 
 /// The API id from the attach cookie.
 #[inline(always)]
@@ -29,11 +29,9 @@ fn arg(ctx: &ProbeContext, n: usize) -> u64 {
 /// `cuLaunchCooperativeKernel` (same layout without `extra`), `_ptsz` twins too.
 #[uprobe]
 pub fn launch_kernel(ctx: ProbeContext) -> u32 {
-    let ids = current();
-    if !wanted(ids) {
+    let Some(ids) = enter() else {
         return 0;
-    }
-    mark_observed(ids);
+    };
     let ts = now();
     // Arguments 7-9 (blockDimZ, sharedMemBytes, hStream) sit on the stack above the return
     // address; 32-bit ones use the low half of an 8-byte slot.
@@ -77,11 +75,9 @@ struct LaunchConfigHead {
 /// `cuLaunchKernelEx(const CUlaunchConfig* config, CUfunction f, void** params, void** extra)`.
 #[uprobe]
 pub fn launch_kernel_ex(ctx: ProbeContext) -> u32 {
-    let ids = current();
-    if !wanted(ids) {
+    let Some(ids) = enter() else {
         return 0;
-    }
-    mark_observed(ids);
+    };
     let ts = now();
     let config = arg(&ctx, 0) as *const LaunchConfigHead;
     // SAFETY: user memory read through the helper, which fails cleanly on a bad address.
@@ -116,11 +112,9 @@ pub fn launch_kernel_ex(ctx: ProbeContext) -> u32 {
 /// `cuGraphLaunch(CUgraphExec exec, CUstream stream)`: the exec handle goes in `function`.
 #[uprobe]
 pub fn graph_launch(ctx: ProbeContext) -> u32 {
-    let ids = current();
-    if !wanted(ids) {
+    let Some(ids) = enter() else {
         return 0;
-    }
-    mark_observed(ids);
+    };
     let ts = now();
     let Some(mut entry) = reserve::<LaunchEvent>(EventKind::Launch, ids.tgid) else {
         return 0;

@@ -274,12 +274,41 @@ fn test(lint_too: bool, args: &[OsString]) -> Result<()> {
     }
     // Build the tests unprivileged, then run them as root (they load eBPF programs).
     status(cargo().args(["test", "--workspace", "--no-run"]))?;
-    let mut t = cargo();
-    t.args(["test", "--workspace"])
+    let log = root().join("target/test-output.log");
+    let mut t = Command::new("bash");
+    // tee keeps the live output; the totals are read back from the log.
+    t.arg("-c")
+        .arg(format!(
+            "set -o pipefail; \"$0\" test --workspace \"$@\" 2>&1 | tee {}",
+            log.display()
+        ))
+        .arg(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
         .args(args)
+        .current_dir(root())
         .env("GPU_OBSERVER_BIN", &bin)
         .env("GPU_OBSERVER_FIXTURES", &fx);
-    as_root(&mut t)
+    let result = as_root(&mut t);
+    let (passed, failed) = test_totals(&std::fs::read_to_string(&log).unwrap_or_default());
+    println!("{passed} passed, {failed} failed");
+    result
+}
+
+/// Sums the `test result:` lines of every test binary.
+fn test_totals(output: &str) -> (u64, u64) {
+    let mut totals = (0, 0);
+    for line in output.lines().filter(|l| l.starts_with("test result:")) {
+        let count = |word: &str| -> u64 {
+            let before = line.split(&format!(" {word}")).next().unwrap_or("");
+            before
+                .rsplit([' ', ';', '.'])
+                .next()
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0)
+        };
+        totals.0 += count("passed");
+        totals.1 += count("failed");
+    }
+    totals
 }
 
 fn bench(calls: u64) -> Result<()> {
@@ -313,4 +342,13 @@ fn bundle() -> Result<()> {
         dir.display()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn totals_add_up_every_binary() {
+        let out = "test result: ok. 12 passed; 0 failed; 0 ignored\nnoise\ntest result: FAILED. 9 passed; 1 failed; 0 ignored\n";
+        assert_eq!(super::test_totals(out), (21, 1));
+    }
 }

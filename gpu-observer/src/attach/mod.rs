@@ -68,15 +68,46 @@ struct LinkGroup {
     cookies: Vec<u64>,
 }
 
-/// The entry program for an API, and whether it also gets the return program.
-fn programs_for(family: Family) -> (&'static str, bool) {
-    let entry = match family {
-        Family::Launch => names::PROG_LAUNCH_KERNEL,
-        Family::LaunchEx => names::PROG_LAUNCH_KERNEL_EX,
-        Family::GraphLaunch => names::PROG_GRAPH_LAUNCH,
-        _ => names::PROG_API_ENTER,
-    };
-    (entry, family.has_return_probe())
+/// One (program, offset) attachment of an entry point.
+struct ProbePoint {
+    id: u32,
+    name: &'static str,
+    offset: u64,
+    prog: &'static str,
+    /// A return probe.
+    ret: bool,
+}
+
+/// Every attachment a library's entry points need: the family's entry program, plus the return
+/// program for calls whose duration matters.
+fn probe_points(syms: &symbols::LibrarySymbols) -> Vec<ProbePoint> {
+    let mut out = Vec::new();
+    for (&id, &offset) in &syms.offsets {
+        let spec = api::by_id(id).expect("ids come from the table");
+        let entry = match spec.family {
+            Family::Launch => names::PROG_LAUNCH_KERNEL,
+            Family::LaunchEx => names::PROG_LAUNCH_KERNEL_EX,
+            Family::GraphLaunch => names::PROG_GRAPH_LAUNCH,
+            _ => names::PROG_API_ENTER,
+        };
+        out.push(ProbePoint {
+            id,
+            name: spec.name,
+            offset,
+            prog: entry,
+            ret: false,
+        });
+        if spec.family.has_return_probe() {
+            out.push(ProbePoint {
+                id,
+                name: spec.name,
+                offset,
+                prog: names::PROG_API_EXIT,
+                ret: true,
+            });
+        }
+    }
+    out
 }
 
 impl Probes {
@@ -183,30 +214,25 @@ impl Probes {
             _ => 0,
         };
         let mut groups: Vec<LinkGroup> = Vec::new();
-        for (&id, &offset) in &syms.offsets {
-            let spec = api::by_id(id).expect("ids come from the table");
-            let (entry, with_return) = programs_for(spec.family);
-            let mut targets = vec![(entry, false)];
-            if with_return {
-                targets.push((names::PROG_API_EXIT, true));
-            }
-            for (prog, ret) in targets {
-                let i = match groups.iter().position(|g| g.prog == prog && g.ret == ret) {
-                    Some(i) => i,
-                    None => {
-                        groups.push(LinkGroup {
-                            prog,
-                            ret,
-                            ..Default::default()
-                        });
-                        groups.len() - 1
-                    }
-                };
-                let g = &mut groups[i];
-                g.apis.push(spec.name);
-                g.offsets.push(offset);
-                g.cookies.push(api::cookie(id));
-            }
+        for p in probe_points(syms) {
+            let i = match groups
+                .iter()
+                .position(|g| g.prog == p.prog && g.ret == p.ret)
+            {
+                Some(i) => i,
+                None => {
+                    groups.push(LinkGroup {
+                        prog: p.prog,
+                        ret: p.ret,
+                        ..Default::default()
+                    });
+                    groups.len() - 1
+                }
+            };
+            let g = &mut groups[i];
+            g.apis.push(p.name);
+            g.offsets.push(p.offset);
+            g.cookies.push(api::cookie(p.id));
         }
         let mut failed: std::collections::HashSet<&'static str> = std::collections::HashSet::new();
         for LinkGroup {
@@ -244,31 +270,21 @@ impl Probes {
         syms: &symbols::LibrarySymbols,
         report: &mut AttachReport,
     ) -> Result<()> {
-        for (&id, &offset) in &syms.offsets {
-            let spec = api::by_id(id).expect("ids come from the table");
-            let (entry, with_return) = programs_for(spec.family);
-            let mut progs = vec![entry];
-            if with_return {
-                progs.push(names::PROG_API_EXIT);
-            }
-            let mut ok = true;
-            for prog in progs {
-                let point = UProbeAttachPoint {
-                    location: UProbeAttachLocation::AbsoluteOffset(offset),
-                    cookie: Some(api::cookie(id)),
-                };
-                match uprobe(&mut self.ebpf, prog)?.attach(point, path, self.scope) {
-                    Ok(_) => report.probes += 1,
-                    Err(e) => {
-                        ok = false;
-                        report.failed.push((spec.name, format!("{e:#}")));
-                    }
+        let mut failed = std::collections::HashSet::new();
+        for p in probe_points(syms) {
+            let point = UProbeAttachPoint {
+                location: UProbeAttachLocation::AbsoluteOffset(p.offset),
+                cookie: Some(api::cookie(p.id)),
+            };
+            match uprobe(&mut self.ebpf, p.prog)?.attach(point, path, self.scope) {
+                Ok(_) => report.probes += 1,
+                Err(e) => {
+                    failed.insert(p.name);
+                    report.failed.push((p.name, format!("{e:#}")));
                 }
             }
-            if ok {
-                report.entry_points += 1;
-            }
         }
+        report.entry_points = syms.offsets.len() - failed.len();
         Ok(())
     }
 
