@@ -23,15 +23,17 @@ pub enum Family {
     Sync,
     /// Driver/context initialization: worth timing for the ioctls it issues.
     Init,
+    /// Module and library loads/unloads (`handle` out-pointer on loads).
+    Module,
+    /// Calls that name a kernel handle: `cuModuleGetFunction`, `cuLibraryGetKernel`,
+    /// `cuKernelGetFunction`, `cuFuncGetName`, `cuKernelGetName`.
+    Symbol,
 }
 
 impl Family {
     /// Launches are entry-only: a return probe doubles their cost (FACTS §3).
     pub const fn has_return_probe(self) -> bool {
-        !matches!(
-            self,
-            Family::Launch | Family::LaunchEx | Family::GraphLaunch
-        )
+        !matches!(self, Family::Launch | Family::LaunchEx | Family::GraphLaunch)
     }
 }
 
@@ -65,6 +67,10 @@ impl Flags {
     pub const DEREF_ARG0: u32 = 1 << 16;
     /// arg1 is an out-pointer (`size_t* pPitch`): read it at return.
     pub const DEREF_ARG1: u32 = 1 << 17;
+    /// arg2 is a NUL-terminated name (`cuModuleGetFunction(&f, mod, name)`): copy it at return.
+    pub const NAME_ARG2: u32 = 1 << 18;
+    /// arg0 is a `const char**` the call fills (`cuFuncGetName(&name, f)`): copy `*arg0` at return.
+    pub const NAME_OUT0: u32 = 1 << 19;
     pub const ID_MASK: u32 = 0xffff;
 }
 
@@ -194,6 +200,25 @@ const fn free(name: &'static str, mem: MemKind, stream: bool) -> ApiSpec {
     }
 }
 
+/// `(out_handle*, ...)` for loads, `(handle)` for unloads.
+const fn module(name: &'static str, load: bool) -> ApiSpec {
+    ApiSpec {
+        dst_arg: 0,
+        flags: if load { Flags::DEREF_ARG0 } else { 0 },
+        ..spec(name, Family::Module)
+    }
+}
+
+/// `(out_handle*, owner, name)`, `(out_function*, kernel)` or `(out_name**, handle)`.
+const fn symbol(name: &'static str, flags: u32) -> ApiSpec {
+    ApiSpec {
+        dst_arg: 0,
+        src_arg: 1,
+        flags,
+        ..spec(name, Family::Symbol)
+    }
+}
+
 const fn sync(name: &'static str, handle_arg: u8) -> ApiSpec {
     ApiSpec {
         stream_arg: handle_arg,
@@ -290,6 +315,27 @@ pub const APIS: &[ApiSpec] = &[
     // Initialization.
     spec("cuInit", Family::Init),
     spec("cuDevicePrimaryCtxRetain", Family::Init),
+    // Modules and libraries (appended: ids are ABI).
+    module("cuModuleLoad", true),
+    module("cuModuleLoadData", true),
+    module("cuModuleLoadDataEx", true),
+    module("cuModuleLoadFatBinary", true),
+    module("cuModuleUnload", false),
+    module("cuLibraryLoadData", true),
+    module("cuLibraryLoadFromFile", true),
+    module("cuLibraryUnload", false),
+    // Kernel names.
+    symbol("cuModuleGetFunction", Flags::DEREF_ARG0 | Flags::NAME_ARG2),
+    symbol("cuLibraryGetKernel", Flags::DEREF_ARG0 | Flags::NAME_ARG2),
+    symbol("cuKernelGetFunction", Flags::DEREF_ARG0),
+    symbol("cuFuncGetName", Flags::NAME_OUT0),
+    symbol("cuKernelGetName", Flags::NAME_OUT0),
+    // Host memory registered with the driver: pinned like cuMemAllocHost (address is arg0).
+    ApiSpec {
+        flags: 0,
+        ..alloc("cuMemHostRegister_v2", Host, NO_ARG)
+    },
+    free("cuMemHostUnregister", Host, false),
 ];
 
 /// Number of probed entry points.
@@ -323,12 +369,7 @@ pub fn cookie(id: u32) -> u64 {
 }
 
 /// Symbols whose absence means the file is not a usable libcuda.
-pub const REQUIRED: &[&str] = &[
-    "cuLaunchKernel",
-    "cuMemcpyHtoD_v2",
-    "cuMemAlloc_v2",
-    "cuCtxSynchronize",
-];
+pub const REQUIRED: &[&str] = &["cuLaunchKernel", "cuMemcpyHtoD_v2", "cuMemAlloc_v2", "cuCtxSynchronize"];
 
 #[cfg(test)]
 mod tests {

@@ -4,13 +4,13 @@
 
 use aya_ebpf::{
     EbpfContext,
-    helpers::{bpf_probe_read_user, generated::bpf_get_attach_cookie},
+    helpers::{bpf_probe_read_user, bpf_probe_read_user_str_bytes, generated::bpf_get_attach_cookie},
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext},
 };
 use gpu_observer_common::{
     api::Flags,
-    event::{CallEvent, EventKind, Inflight, read_error},
+    event::{CallEvent, EventKind, Inflight, NameEvent, read_error},
 };
 
 use crate::{
@@ -88,16 +88,8 @@ pub fn api_exit(ctx: RetProbeContext) -> u32 {
             }
         }
     }
-    let Some(mut entry) = reserve::<CallEvent>(EventKind::Call, ids.tgid) else {
-        return 0;
-    };
-    entry.write(CallEvent {
-        hdr: header(
-            EventKind::Call,
-            state.cookie & Flags::ID_MASK,
-            ids,
-            state.ts_ns,
-        ),
+    let call = |kind: EventKind, errors: u32| CallEvent {
+        hdr: header(kind, state.cookie & Flags::ID_MASK, ids, state.ts_ns),
         args: state.args,
         out,
         duration_ns: end - state.ts_ns,
@@ -106,7 +98,40 @@ pub fn api_exit(ctx: RetProbeContext) -> u32 {
         result,
         nested: state.nested,
         read_errors: errors,
-    });
+    };
+    if result == 0 && state.cookie & (Flags::NAME_ARG2 | Flags::NAME_OUT0) != 0 {
+        emit_name(&state, ids.tgid, errors, call);
+        return 0;
+    }
+    let Some(mut entry) = reserve::<CallEvent>(EventKind::Call, ids.tgid) else {
+        return 0;
+    };
+    entry.write(call(EventKind::Call, errors));
     submit(entry);
     0
+}
+
+/// A call that named a kernel handle: the record carries the name, copied from the caller.
+#[inline(always)]
+fn emit_name(state: &Inflight, tgid: u32, errors: u32, call: impl Fn(EventKind, u32) -> CallEvent) {
+    let name_ptr = if state.cookie & Flags::NAME_ARG2 != 0 {
+        state.args[2]
+    } else {
+        // SAFETY: user memory read through the helper, which fails cleanly on a bad address.
+        unsafe { bpf_probe_read_user(state.args[0] as *const u64) }.unwrap_or(0)
+    };
+    let Some(mut entry) = reserve::<NameEvent>(EventKind::Name, tgid) else {
+        return;
+    };
+    let p = entry.as_mut_ptr();
+    // SAFETY: p points to the reserved record, valid until submit; the string read is bounded
+    // by the buffer and fails cleanly on a bad address.
+    let copied = unsafe {
+        (*p).name[0] = 0;
+        bpf_probe_read_user_str_bytes(name_ptr as *const u8, &mut (*p).name).is_ok()
+    };
+    let errors = if copied { errors } else { errors | read_error::NAME };
+    // SAFETY: as above.
+    unsafe { (*p).call = call(EventKind::Name, errors) };
+    submit(entry);
 }

@@ -125,9 +125,5 @@ fn count_drop(kind: EventKind, tgid: u32) {
 #[inline(always)]
 pub fn submit<T>(entry: RingBufEntry<T>) {
     let filling = EVENTS.query(BPF_RB_AVAIL_DATA) > EVENTS.query(BPF_RB_RING_SIZE) / 2;
-    entry.submit(if filling {
-        BPF_RB_FORCE_WAKEUP
-    } else {
-        BPF_RB_NO_WAKEUP
-    });
+    entry.submit(if filling { BPF_RB_FORCE_WAKEUP } else { BPF_RB_NO_WAKEUP });
 }

@@ -49,11 +49,7 @@ pub fn launch_kernel(ctx: ProbeContext) -> u32 {
         hdr: header(EventKind::Launch, api_id(&ctx), ids, ts),
         function: arg(&ctx, 0),
         stream: stack[2],
-        grid: [
-            arg(&ctx, 1) as u32,
-            arg(&ctx, 2) as u32,
-            arg(&ctx, 3) as u32,
-        ],
+        grid: [arg(&ctx, 1) as u32, arg(&ctx, 2) as u32, arg(&ctx, 3) as u32],
         block: [arg(&ctx, 4) as u32, arg(&ctx, 5) as u32, stack[0] as u32],
         shared_mem_bytes: stack[1] as u32,
         read_errors: errors,

@@ -23,13 +23,11 @@ pub static OBSERVED: LruHashMap<u32, u32> = LruHashMap::with_max_entries(limits:
 
 /// tid → the probed call the thread is inside.
 #[map]
-pub static INFLIGHT: LruHashMap<u32, Inflight> =
-    LruHashMap::with_max_entries(limits::MAX_INFLIGHT_THREADS, 0);
+pub static INFLIGHT: LruHashMap<u32, Inflight> = LruHashMap::with_max_entries(limits::MAX_INFLIGHT_THREADS, 0);
 
 /// tid → the ioctl the thread is inside.
 #[map]
-pub static IOCTLS: LruHashMap<u32, IoctlStart> =
-    LruHashMap::with_max_entries(limits::MAX_INFLIGHT_THREADS, 0);
+pub static IOCTLS: LruHashMap<u32, IoctlStart> = LruHashMap::with_max_entries(limits::MAX_INFLIGHT_THREADS, 0);
 
 /// Records that did not fit in the ring, per CPU, indexed by [`EventKind`].
 #[map]
@@ -37,5 +35,4 @@ pub static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(EventKind::CO
 
 /// Records that did not fit in the ring, per tgid (per CPU: no atomics needed).
 #[map]
-pub static DROPS_BY_PID: LruPerCpuHashMap<u32, u64> =
-    LruPerCpuHashMap::with_max_entries(limits::MAX_PROCESSES, 0);
+pub static DROPS_BY_PID: LruPerCpuHashMap<u32, u64> = LruPerCpuHashMap::with_max_entries(limits::MAX_PROCESSES, 0);

@@ -42,6 +42,11 @@ pub struct Cli {
     #[arg(long, value_name = "PATH")]
     pub libcuda: Vec<PathBuf>,
 
+    /// Copies, memsets and syncs longer than this many microseconds are marked slow
+    /// (`is_slow`, seed 003: 100 µs).
+    #[arg(long, default_value_t = 100)]
+    pub threshold_us: u64,
+
     /// Attach perf-event uprobes instead of uprobe-multi links (the fallback for kernels before
     /// 6.6; for troubleshooting). They take ~85 ms each to detach at exit.
     #[arg(long, hide = true)]
@@ -59,9 +64,7 @@ pub enum Format {
 }
 
 fn parse_ring_size(s: &str) -> Result<u32, String> {
-    let v: u32 = s
-        .parse()
-        .map_err(|_| format!("`{s}` is not a byte count"))?;
+    let v: u32 = s.parse().map_err(|_| format!("`{s}` is not a byte count"))?;
     if v < 4096 || !v.is_power_of_two() {
         return Err(format!(
             "{v} is not a power of two of at least 4096 (try 8388608 for 8 MiB)"

@@ -1,16 +1,27 @@
-//! Correlate: per-process state and totals built from the event stream.
+//! Correlate: per-process state built from the event stream, and what only it can tell —
+//! kernel names behind launch handles, where a copy's bytes went (from the allocations seen),
+//! the size of a free, the device behind an ioctl's fd.
 //!
-//! Bounded: live allocations are capped per process, and exited processes keep only their
-//! counters (and are forgotten past a cap, counted).
+//! Bounded: names, live allocations, streams and ioctl commands are capped per process, and
+//! exited processes keep only their counters (and are forgotten past a cap, counted).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::{
+    collections::{BTreeMap, HashMap, VecDeque},
+    sync::Arc,
+};
 
 use gpu_observer_common::api::{Direction, Family, MemKind};
 
-use crate::decode::{Body, Event};
+use crate::decode::{Body, Call, Event, HostMemory, KernelName};
 
-/// Live allocations remembered per process (address → bytes), for the size of frees.
+/// Live allocations remembered per process.
 const MAX_LIVE_ALLOCS: usize = 1 << 20;
+/// Kernel/function handles named per process.
+const MAX_NAMES: usize = 1 << 20;
+/// Distinct streams (and events, contexts) with their own sync counters per process.
+const MAX_SYNC_HANDLES: usize = 256;
+/// Distinct ioctl commands counted per process.
+const MAX_IOCTL_CMDS: usize = 256;
 /// Exited processes whose counters are kept for the final summary.
 const MAX_EXITED: usize = 4096;
 
@@ -46,13 +57,37 @@ pub fn direction_name(d: Direction) -> &'static str {
     }
 }
 
-pub fn mem_name(m: MemKind) -> Option<&'static str> {
+pub fn mem_name(m: MemKind) -> &'static str {
     match m {
-        MemKind::Device => Some("device"),
-        MemKind::Managed => Some("managed"),
-        MemKind::Host => Some("host"),
-        MemKind::None => None,
+        MemKind::Device | MemKind::None => "device",
+        MemKind::Managed => "managed",
+        MemKind::Host => "host",
     }
+}
+
+pub fn host_memory_name(h: HostMemory) -> &'static str {
+    match h {
+        HostMemory::Pinned => "pinned",
+        HostMemory::Pageable => "pageable",
+    }
+}
+
+/// What a sync waited on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SyncTarget {
+    Context,
+    Stream(u64),
+    Event(u64),
+    /// Past [`MAX_SYNC_HANDLES`].
+    Other,
+}
+
+/// A live allocation.
+#[derive(Clone, Copy, Debug)]
+struct Alloc {
+    bytes: u64,
+    mem: MemKind,
+    api: &'static str,
 }
 
 /// Counters of one process.
@@ -61,23 +96,44 @@ pub struct Stats {
     pub events: u64,
     pub launches: u64,
     pub launch_apis: BTreeMap<&'static str, u64>,
+    /// Kernel launches whose handle was named (graph launches are neither named nor unresolved).
+    pub named_launches: u64,
+    /// Kernel launches of handles never named while observed (loaded before the observer).
+    pub unresolved_launches: u64,
+    /// Launches per kernel name, keyed by the name's allocation (no hashing of the string).
+    pub kernels: HashMap<usize, (Arc<KernelName>, u64)>,
     /// Indexed like [`DIRECTIONS`].
     pub copies: [Amount; 4],
+    /// Generic/peer copies whose direction came from tracked allocations.
+    pub inferred_copies: u64,
+    pub pinned_copies: u64,
+    pub pageable_copies: u64,
     pub memsets: Amount,
     pub allocs: Amount,
     pub frees: Amount,
-    /// Bytes allocated and not freed (device + managed + host).
-    pub outstanding_bytes: u64,
+    /// Live bytes by memory kind: device, managed, host (pinned).
+    pub live_device: u64,
+    pub live_managed: u64,
+    pub live_host: u64,
+    pub live_allocs: u64,
     pub syncs: Amount,
+    pub sync_by_target: BTreeMap<SyncTarget, Amount>,
     pub inits: Amount,
+    pub modules: Amount,
     pub ioctls: Amount,
     /// ioctls issued inside a probed call.
     pub ioctls_in_calls: u64,
+    /// ioctls by the call they happened in.
+    pub ioctl_by_api: BTreeMap<&'static str, Amount>,
+    /// ioctls by (command, its name).
+    pub ioctl_by_cmd: HashMap<u32, (Option<&'static str>, Amount)>,
     /// Calls that returned an error.
     pub failed_calls: u64,
     pub call_apis: BTreeMap<&'static str, u64>,
     /// Frees of pointers the agent never saw allocated (allocated before it attached).
     pub unknown_frees: u64,
+    /// Copies, memsets and syncs longer than the threshold.
+    pub slow_calls: u64,
 }
 
 impl Stats {
@@ -88,6 +144,39 @@ impl Stats {
             .map(|i| self.copies[i])
             .unwrap_or_default()
     }
+
+    /// The most launched kernels: (demangled name, launches), most first.
+    pub fn top_kernels(&self, n: usize) -> Vec<(&str, u64)> {
+        let mut by_name: HashMap<&str, u64> = HashMap::new();
+        for (k, count) in self.kernels.values() {
+            *by_name.entry(&k.demangled).or_default() += count;
+        }
+        let mut v: Vec<(&str, u64)> = by_name.into_iter().collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+        v.truncate(n);
+        v
+    }
+
+    pub fn outstanding_bytes(&self) -> u64 {
+        self.live_device + self.live_managed + self.live_host
+    }
+
+    fn live_mut(&mut self, mem: MemKind) -> &mut u64 {
+        match mem {
+            MemKind::Managed => &mut self.live_managed,
+            MemKind::Host => &mut self.live_host,
+            MemKind::Device | MemKind::None => &mut self.live_device,
+        }
+    }
+}
+
+/// Unfreed allocations of a process, grouped by the API that made them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Leak {
+    pub api: &'static str,
+    pub mem: MemKind,
+    pub count: u64,
+    pub bytes: u64,
 }
 
 #[derive(Debug)]
@@ -95,10 +184,116 @@ pub struct Process {
     pub pid: u32,
     pub comm: String,
     pub first_ts: u64,
+    /// End of the latest call seen (entry + duration).
     pub last_ts: u64,
     pub exited: bool,
     pub stats: Stats,
-    live: HashMap<u64, u64>,
+    live: BTreeMap<u64, Alloc>,
+    names: HashMap<u64, Arc<KernelName>>,
+    fds: HashMap<u32, Option<Arc<str>>>,
+    /// Memory counters changed since the last sample.
+    memory_dirty: bool,
+}
+
+impl Process {
+    fn new(pid: u32, ts: u64) -> Self {
+        Self {
+            pid,
+            comm: String::new(),
+            first_ts: ts,
+            last_ts: ts,
+            exited: false,
+            stats: Stats::default(),
+            live: BTreeMap::new(),
+            names: HashMap::new(),
+            fds: HashMap::new(),
+            memory_dirty: false,
+        }
+    }
+
+    /// The live allocation containing `ptr`.
+    fn containing(&self, ptr: u64) -> Option<&Alloc> {
+        let (start, a) = self.live.range(..=ptr).next_back()?;
+        (ptr - start < a.bytes.max(1)).then_some(a)
+    }
+
+    /// The process's wall span observed so far, in ns (at least 1).
+    pub fn span_ns(&self) -> u64 {
+        self.last_ts.saturating_sub(self.first_ts).max(1)
+    }
+
+    pub fn leaks(&self) -> Vec<Leak> {
+        let mut by: BTreeMap<(&'static str, u8), Leak> = BTreeMap::new();
+        for a in self.live.values() {
+            let l = by.entry((a.api, a.mem as u8)).or_insert(Leak {
+                api: a.api,
+                mem: a.mem,
+                count: 0,
+                bytes: 0,
+            });
+            l.count += 1;
+            l.bytes += a.bytes;
+        }
+        by.into_values().collect()
+    }
+
+    fn name(&mut self, handle: u64, name: Arc<KernelName>) {
+        if self.names.len() < MAX_NAMES || self.names.contains_key(&handle) {
+            self.names.insert(handle, name);
+        }
+    }
+
+    /// Which side of a copy a pointer is on, from the allocations seen.
+    fn side(&self, ptr: u64) -> Side {
+        match self.containing(ptr).map(|a| a.mem) {
+            Some(MemKind::Device | MemKind::Managed | MemKind::None) => Side::Gpu,
+            Some(MemKind::Host) => Side::PinnedHost,
+            None => Side::Untracked,
+        }
+    }
+
+    /// The device file behind an fd, read once per fd from /proc.
+    fn device(&mut self, fd: u32) -> Option<Arc<str>> {
+        let pid = self.pid;
+        self.fds
+            .entry(fd)
+            .or_insert_with(|| {
+                std::fs::read_link(format!("/proc/{pid}/fd/{fd}"))
+                    .ok()
+                    .map(|p| Arc::from(p.to_string_lossy().as_ref()))
+            })
+            .clone()
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Gpu,
+    PinnedHost,
+    /// Not allocated through the driver while observed: ordinary host memory, or memory
+    /// allocated before the observer attached.
+    Untracked,
+}
+
+/// Direction of a copy whose API does not say, from where its pointers live.
+fn infer_direction(dst: Side, src: Side) -> Option<Direction> {
+    use Side::*;
+    match (dst, src) {
+        (Gpu, Gpu) => Some(Direction::GpuToGpu),
+        (Gpu, PinnedHost | Untracked) => Some(Direction::CpuToGpu),
+        (PinnedHost | Untracked, Gpu) => Some(Direction::GpuToCpu),
+        _ => None,
+    }
+}
+
+/// A point of a process's memory timeline.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemorySample {
+    pub pid: u32,
+    pub device: u64,
+    pub managed: u64,
+    pub host: u64,
+    pub allocations: u64,
 }
 
 #[derive(Debug, Default)]
@@ -108,22 +303,27 @@ pub struct Correlator {
     pub decode_errors: u64,
     /// Exited processes forgotten because of [`MAX_EXITED`].
     pub forgotten: u64,
+    /// Copies, memsets and syncs longer than this are slow (seed 003: 100 µs).
+    pub threshold_ns: u64,
     exited_order: VecDeque<u32>,
 }
 
 impl Correlator {
-    /// Folds one event in; fills in what only the agent knows (the size of a free).
+    pub fn new(threshold_ns: u64) -> Self {
+        Self {
+            threshold_ns,
+            ..Default::default()
+        }
+    }
+
+    /// Folds one event in and fills in what only the agent knows.
     pub fn observe(&mut self, ev: &mut Event) {
         self.events += 1;
-        let p = self.procs.entry(ev.pid).or_insert_with(|| Process {
-            pid: ev.pid,
-            comm: String::new(),
-            first_ts: ev.ts_ns,
-            last_ts: ev.ts_ns,
-            exited: false,
-            stats: Stats::default(),
-            live: HashMap::new(),
-        });
+        let threshold = self.threshold_ns;
+        let p = self
+            .procs
+            .entry(ev.pid)
+            .or_insert_with(|| Process::new(ev.pid, ev.ts_ns));
         if p.comm.is_empty() || ev.tid == ev.pid {
             let comm = ev.comm();
             if p.comm != comm {
@@ -132,88 +332,194 @@ impl Correlator {
         }
         p.first_ts = p.first_ts.min(ev.ts_ns);
         p.last_ts = p.last_ts.max(ev.ts_ns);
-        let s = &mut p.stats;
-        s.events += 1;
+        p.stats.events += 1;
         let api = ev.api;
         match &mut ev.body {
-            Body::Launch(_) => {
+            Body::Launch(l) => {
+                let s = &mut p.stats;
                 s.launches += 1;
-                *s.launch_apis
-                    .entry(api.map_or("?", |a| a.name))
-                    .or_default() += 1;
+                let spec = api.map(|a| (a.name, a.family));
+                *s.launch_apis.entry(spec.map_or("?", |a| a.0)).or_default() += 1;
+                if spec.is_some_and(|a| a.1 != Family::GraphLaunch) {
+                    l.kernel = p.names.get(&l.function).cloned();
+                    match &l.kernel {
+                        Some(k) => {
+                            p.stats.named_launches += 1;
+                            let key = Arc::as_ptr(k) as usize;
+                            if p.stats.kernels.len() < MAX_NAMES || p.stats.kernels.contains_key(&key) {
+                                p.stats.kernels.entry(key).or_insert_with(|| (k.clone(), 0)).1 += 1;
+                            }
+                        }
+                        None => p.stats.unresolved_launches += 1,
+                    }
+                }
             }
             Body::Call(c) => {
                 let spec = api.expect("calls carry their api");
-                *s.call_apis.entry(spec.name).or_default() += 1;
+                p.last_ts = p.last_ts.max(ev.ts_ns + c.duration_ns);
+                *p.stats.call_apis.entry(spec.name).or_default() += 1;
                 if c.result != 0 {
-                    s.failed_calls += 1;
+                    p.stats.failed_calls += 1;
                 }
-                let ok = c.result == 0;
-                match spec.family {
-                    Family::Memcpy => {
-                        let i = DIRECTIONS
-                            .iter()
-                            .position(|d| *d == c.direction)
-                            .unwrap_or(3);
-                        s.copies[i].add(c.bytes.unwrap_or(0), c.duration_ns);
-                    }
-                    Family::Memset => s.memsets.add(c.bytes.unwrap_or(0), c.duration_ns),
-                    Family::Alloc => {
-                        let bytes = c.bytes.unwrap_or(0);
-                        s.allocs.add(bytes, c.duration_ns);
-                        if let (true, Some(addr)) = (ok, c.address) {
-                            if p.live.len() < MAX_LIVE_ALLOCS {
-                                p.live.insert(addr, bytes);
-                            }
-                            s.outstanding_bytes += bytes;
-                        }
-                    }
-                    Family::Free => {
-                        let freed = c.address.and_then(|a| {
-                            if ok {
-                                p.live.remove(&a)
-                            } else {
-                                p.live.get(&a).copied()
-                            }
-                        });
-                        match freed {
-                            Some(b) => {
-                                c.bytes = Some(b);
-                                if ok {
-                                    s.outstanding_bytes = s.outstanding_bytes.saturating_sub(b);
-                                }
-                            }
-                            None if c.address != Some(0) => s.unknown_frees += 1,
-                            None => {}
-                        }
-                        s.frees.add(c.bytes.unwrap_or(0), c.duration_ns);
-                    }
-                    Family::Sync => s.syncs.add(0, c.duration_ns),
-                    Family::Init => s.inits.add(0, c.duration_ns),
-                    Family::Launch | Family::LaunchEx | Family::GraphLaunch => {}
+                if matches!(spec.family, Family::Memcpy | Family::Memset | Family::Sync) && c.duration_ns > threshold {
+                    p.stats.slow_calls += 1;
                 }
+                Self::call(p, spec.family, spec.name, c);
             }
             Body::Ioctl(i) => {
+                i.device = p.device(i.fd);
+                let uvm = i.device.as_deref().is_some_and(|d| d.ends_with("nvidia-uvm"));
+                i.name = crate::ioctl_names::name(i.cmd, uvm);
+                let s = &mut p.stats;
                 s.ioctls.add(0, i.duration_ns);
-                if i.parent.is_some() {
+                if let Some(parent) = i.parent {
                     s.ioctls_in_calls += 1;
+                    s.ioctl_by_api.entry(parent.name).or_default().add(0, i.duration_ns);
+                }
+                if s.ioctl_by_cmd.len() < MAX_IOCTL_CMDS || s.ioctl_by_cmd.contains_key(&i.cmd) {
+                    s.ioctl_by_cmd
+                        .entry(i.cmd)
+                        .or_insert((i.name, Amount::default()))
+                        .1
+                        .add(0, i.duration_ns);
                 }
             }
             Body::ProcessExit => {
                 p.exited = true;
-                p.live = HashMap::new();
+                p.names = HashMap::new();
+                p.fds = HashMap::new();
                 self.exited_order.push_back(ev.pid);
-                if self.exited_order.len() > MAX_EXITED {
-                    let old = self.exited_order.pop_front();
-                    if let Some(old) = old
-                        && self.procs.get(&old).is_some_and(|p| p.exited)
-                    {
-                        self.procs.remove(&old);
-                        self.forgotten += 1;
-                    }
+                if self.exited_order.len() > MAX_EXITED
+                    && let Some(old) = self.exited_order.pop_front()
+                    && self.procs.get(&old).is_some_and(|p| p.exited)
+                {
+                    self.procs.remove(&old);
+                    self.forgotten += 1;
                 }
             }
         }
+    }
+
+    fn call(p: &mut Process, family: Family, api: &'static str, c: &mut Call) {
+        let ok = c.result == 0;
+        match family {
+            Family::Memcpy => {
+                let (dst, src) = (c.dst.map(|d| p.side(d)), c.src.map(|s| p.side(s)));
+                if c.direction == Direction::Unknown
+                    && let (Some(d), Some(s)) = (dst, src)
+                    && let Some(dir) = infer_direction(d, s)
+                {
+                    c.direction = dir;
+                    c.direction_inferred = true;
+                    p.stats.inferred_copies += 1;
+                }
+                // The host end of the copy, once the direction is known.
+                let host = match c.direction {
+                    Direction::CpuToGpu => src,
+                    Direction::GpuToCpu => dst,
+                    _ => None,
+                };
+                c.host_memory = host.map(|h| match h {
+                    Side::PinnedHost => HostMemory::Pinned,
+                    _ => HostMemory::Pageable,
+                });
+                match c.host_memory {
+                    Some(HostMemory::Pinned) => p.stats.pinned_copies += 1,
+                    Some(HostMemory::Pageable) => p.stats.pageable_copies += 1,
+                    None => {}
+                }
+                let i = DIRECTIONS.iter().position(|d| *d == c.direction).unwrap_or(3);
+                p.stats.copies[i].add(c.bytes.unwrap_or(0), c.duration_ns);
+            }
+            Family::Memset => p.stats.memsets.add(c.bytes.unwrap_or(0), c.duration_ns),
+            Family::Alloc => {
+                let bytes = c.bytes.unwrap_or(0);
+                p.stats.allocs.add(bytes, c.duration_ns);
+                if let (true, Some(addr)) = (ok, c.address)
+                    && (p.live.len() < MAX_LIVE_ALLOCS || p.live.contains_key(&addr))
+                {
+                    if let Some(old) = p.live.insert(addr, Alloc { bytes, mem: c.mem, api }) {
+                        // Re-registration of the same address: replace, not double count.
+                        let live = p.stats.live_mut(old.mem);
+                        *live = live.saturating_sub(old.bytes);
+                        p.stats.live_allocs -= 1;
+                    }
+                    *p.stats.live_mut(c.mem) += bytes;
+                    p.stats.live_allocs += 1;
+                    p.memory_dirty = true;
+                }
+            }
+            Family::Free => {
+                let freed = match (ok, c.address) {
+                    (true, Some(a)) => p.live.remove(&a),
+                    (false, Some(a)) => p.live.get(&a).copied(),
+                    _ => None,
+                };
+                match freed {
+                    Some(a) => {
+                        c.bytes = Some(a.bytes);
+                        if ok {
+                            let live = p.stats.live_mut(a.mem);
+                            *live = live.saturating_sub(a.bytes);
+                            p.stats.live_allocs -= 1;
+                            p.memory_dirty = true;
+                        }
+                    }
+                    None if c.address.is_some_and(|a| a != 0) => p.stats.unknown_frees += 1,
+                    None => {}
+                }
+                p.stats.frees.add(c.bytes.unwrap_or(0), c.duration_ns);
+            }
+            Family::Sync => {
+                p.stats.syncs.add(0, c.duration_ns);
+                let target = match (api, c.stream) {
+                    ("cuEventSynchronize", Some(h)) => SyncTarget::Event(h),
+                    (a, Some(h)) if a.starts_with("cuStream") => SyncTarget::Stream(h),
+                    _ => SyncTarget::Context,
+                };
+                let by = &mut p.stats.sync_by_target;
+                let target = if by.len() < MAX_SYNC_HANDLES || by.contains_key(&target) {
+                    target
+                } else {
+                    SyncTarget::Other
+                };
+                by.entry(target).or_default().add(0, c.duration_ns);
+            }
+            Family::Init => p.stats.inits.add(0, c.duration_ns),
+            Family::Module => p.stats.modules.add(0, c.duration_ns),
+            Family::Symbol => {
+                if let (true, Some(handle)) = (ok, c.handle) {
+                    let name = match (&c.name, c.owner) {
+                        (Some(n), _) => Some(Arc::new(KernelName::new(n))),
+                        // cuKernelGetFunction: the function is named like its kernel.
+                        (None, Some(owner)) => p.names.get(&owner).cloned(),
+                        (None, None) => None,
+                    };
+                    if let Some(name) = name {
+                        c.kernel = Some(name.clone());
+                        p.name(handle, name);
+                    }
+                }
+            }
+            Family::Launch | Family::LaunchEx | Family::GraphLaunch => {}
+        }
+    }
+
+    /// Memory timeline points of processes whose memory changed since the last call.
+    pub fn memory_samples(&mut self) -> Vec<MemorySample> {
+        let mut out = Vec::new();
+        for p in self.procs.values_mut().filter(|p| p.memory_dirty) {
+            p.memory_dirty = false;
+            out.push(MemorySample {
+                pid: p.pid,
+                device: p.stats.live_device,
+                managed: p.stats.live_managed,
+                host: p.stats.live_host,
+                allocations: p.stats.live_allocs,
+            });
+        }
+        out.sort_by_key(|m| m.pid);
+        out
     }
 
     /// Processes in pid order.
@@ -227,69 +533,237 @@ impl Correlator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decode::{Call, Event};
+    use crate::decode::{Event, Launch};
     use gpu_observer_common::api;
 
-    fn call_ev(name: &str, address: Option<u64>, bytes: Option<u64>, result: u32) -> Event {
-        let spec = api::by_id(api::id_of(name).unwrap()).unwrap();
+    fn ev(body: Body, name: &str) -> Event {
         Event {
             ts_ns: 1,
             pid: 10,
             tid: 10,
             comm: *b"train\0\0\0\0\0\0\0\0\0\0\0",
-            api: Some(spec),
-            body: Body::Call(Call {
-                bytes,
-                direction: spec.direction,
-                mem: spec.mem,
-                stream: None,
-                dst: None,
-                src: None,
-                address,
-                duration_ns: 100,
-                result,
-                ioctl_count: 0,
-                ioctl_ns: 0,
-                nested: 0,
-                read_errors: 0,
-            }),
+            api: api::by_id(api::id_of(name).unwrap()),
+            body,
         }
     }
 
-    #[test]
-    fn frees_get_their_size_from_the_allocation_and_outstanding_bytes_follow() {
-        let mut c = Correlator::default();
-        c.observe(&mut call_ev("cuMemAlloc_v2", Some(0x1000), Some(4096), 0));
-        c.observe(&mut call_ev("cuMemAlloc_v2", Some(0x9000), Some(100), 0));
-        let mut free = call_ev("cuMemFree_v2", Some(0x1000), None, 0);
-        c.observe(&mut free);
-        let Body::Call(f) = &free.body else {
-            unreachable!()
+    fn call(name: &str, f: impl FnOnce(&mut Call)) -> Event {
+        let spec = api::by_id(api::id_of(name).unwrap()).unwrap();
+        let mut c = Call {
+            bytes: None,
+            direction: spec.direction,
+            mem: spec.mem,
+            stream: None,
+            dst: None,
+            src: None,
+            address: None,
+            duration_ns: 100,
+            result: 0,
+            ioctl_count: 0,
+            ioctl_ns: 0,
+            nested: 0,
+            read_errors: 0,
+            handle: None,
+            owner: None,
+            name: None,
+            host_memory: None,
+            direction_inferred: false,
+            kernel: None,
         };
-        assert_eq!(f.bytes, Some(4096));
-        let s = &c.procs[&10].stats;
-        assert_eq!(
-            (
-                s.allocs.count,
-                s.allocs.bytes,
-                s.frees.bytes,
-                s.outstanding_bytes
-            ),
-            (2, 4196, 4096, 100)
-        );
-        c.observe(&mut call_ev("cuMemFree_v2", Some(0x5555), None, 0));
-        assert_eq!(c.procs[&10].stats.unknown_frees, 1);
-        assert_eq!(c.procs[&10].comm, "train");
+        f(&mut c);
+        ev(Body::Call(c), name)
+    }
+
+    fn alloc(name: &str, addr: u64, bytes: u64) -> Event {
+        call(name, |c| {
+            c.address = Some(addr);
+            c.bytes = Some(bytes);
+        })
+    }
+
+    fn copy(name: &str, dst: u64, src: u64) -> Call {
+        let mut c = Correlator::new(100_000);
+        for mut e in [
+            alloc("cuMemAlloc_v2", 0x1000, 4096),
+            alloc("cuMemAllocHost_v2", 0x9000, 4096),
+        ] {
+            c.observe(&mut e);
+        }
+        let mut e = call(name, |c| {
+            c.dst = Some(dst);
+            c.src = Some(src);
+            c.bytes = Some(16);
+        });
+        c.observe(&mut e);
+        let Body::Call(c) = e.body else { unreachable!() };
+        c
     }
 
     #[test]
-    fn failed_calls_are_counted_and_do_not_track_memory() {
-        let mut c = Correlator::default();
-        c.observe(&mut call_ev("cuMemAlloc_v2", None, Some(1 << 40), 2));
+    fn generic_copies_get_their_direction_and_host_memory_from_allocations() {
+        let c = copy("cuMemcpy", 0x1800, 0x9100);
+        assert_eq!(
+            (c.direction, c.host_memory, c.direction_inferred),
+            (Direction::CpuToGpu, Some(HostMemory::Pinned), true)
+        );
+        let c = copy("cuMemcpyAsync", 0x5_0000, 0x1000);
+        assert_eq!(
+            (c.direction, c.host_memory),
+            (Direction::GpuToCpu, Some(HostMemory::Pageable))
+        );
+        let c = copy("cuMemcpyPeer", 0x1000, 0x1fff);
+        assert_eq!(c.direction, Direction::GpuToGpu);
+        // One past the end of the device block is not in it.
+        let c = copy("cuMemcpy", 0x2000, 0x5_0000);
+        assert_eq!((c.direction, c.direction_inferred), (Direction::Unknown, false));
+        // Explicit APIs keep their direction and learn the host side.
+        let c = copy("cuMemcpyHtoD_v2", 0x1000, 0x9000);
+        assert_eq!(
+            (c.direction, c.host_memory, c.direction_inferred),
+            (Direction::CpuToGpu, Some(HostMemory::Pinned), false)
+        );
+    }
+
+    #[test]
+    fn frees_get_their_size_leaks_and_memory_samples_follow() {
+        let mut c = Correlator::new(100_000);
+        for mut e in [
+            alloc("cuMemAlloc_v2", 0x1000, 4096),
+            alloc("cuMemAlloc_v2", 0x9000, 100),
+            alloc("cuMemAllocManaged", 0x20000, 64),
+            alloc("cuMemAllocHost_v2", 0x30000, 8),
+        ] {
+            c.observe(&mut e);
+        }
+        let mut free = call("cuMemFree_v2", |c| c.address = Some(0x1000));
+        c.observe(&mut free);
+        let Body::Call(f) = &free.body else { unreachable!() };
+        assert_eq!(f.bytes, Some(4096));
+        let p = &c.procs[&10];
+        assert_eq!(
+            (
+                p.stats.live_device,
+                p.stats.live_managed,
+                p.stats.live_host,
+                p.stats.live_allocs
+            ),
+            (100, 64, 8, 3)
+        );
+        assert_eq!(
+            p.leaks(),
+            vec![
+                Leak {
+                    api: "cuMemAllocHost_v2",
+                    mem: MemKind::Host,
+                    count: 1,
+                    bytes: 8
+                },
+                Leak {
+                    api: "cuMemAllocManaged",
+                    mem: MemKind::Managed,
+                    count: 1,
+                    bytes: 64
+                },
+                Leak {
+                    api: "cuMemAlloc_v2",
+                    mem: MemKind::Device,
+                    count: 1,
+                    bytes: 100
+                },
+            ]
+        );
+        assert_eq!(
+            c.memory_samples(),
+            vec![MemorySample {
+                pid: 10,
+                device: 100,
+                managed: 64,
+                host: 8,
+                allocations: 3
+            }]
+        );
+        assert!(c.memory_samples().is_empty(), "no change, no sample");
+        c.observe(&mut call("cuMemFree_v2", |c| c.address = Some(0x5555)));
+        assert_eq!(c.procs[&10].stats.unknown_frees, 1);
+    }
+
+    #[test]
+    fn launches_are_named_through_modules_libraries_and_kernels() {
+        let mut c = Correlator::new(100_000);
+        let launch = |f: u64| {
+            ev(
+                Body::Launch(Launch {
+                    function: f,
+                    grid: [1; 3],
+                    block: [1; 3],
+                    shared_mem_bytes: 0,
+                    stream: 0,
+                    read_errors: 0,
+                    kernel: None,
+                }),
+                "cuLaunchKernel",
+            )
+        };
+        let named = |api: &str, handle: u64, owner: Option<u64>, name: Option<&str>| {
+            call(api, |c| {
+                c.handle = Some(handle);
+                c.owner = owner;
+                c.name = name.map(Into::into);
+            })
+        };
+        for mut e in [
+            named("cuModuleGetFunction", 0xf1, Some(0x40d), Some("_Z9scale_vecPffj")),
+            named("cuLibraryGetKernel", 0xbeef, Some(0x11b), Some("write_value")),
+            named("cuKernelGetFunction", 0xf2, Some(0xbeef), None),
+        ] {
+            c.observe(&mut e);
+        }
+        let name_of = |c: &mut Correlator, f: u64| {
+            let mut e = launch(f);
+            c.observe(&mut e);
+            let Body::Launch(l) = e.body else { unreachable!() };
+            l.kernel.map(|k| k.demangled.to_string())
+        };
+        assert_eq!(
+            name_of(&mut c, 0xf1).as_deref(),
+            Some("scale_vec(float*, float, unsigned int)")
+        );
+        assert_eq!(name_of(&mut c, 0xf2).as_deref(), Some("write_value"));
+        assert_eq!(
+            name_of(&mut c, 0xbeef).as_deref(),
+            Some("write_value"),
+            "a CUkernel launched directly"
+        );
+        assert_eq!(name_of(&mut c, 0xdead), None);
+        let s = &c.procs[&10].stats;
+        assert_eq!((s.named_launches, s.unresolved_launches), (3, 1));
+    }
+
+    #[test]
+    fn syncs_are_accounted_per_stream_event_and_context() {
+        let mut c = Correlator::new(100);
+        for (api, h, d) in [
+            ("cuStreamSynchronize", Some(0x5), 300),
+            ("cuStreamSynchronize_ptsz", Some(0x5), 50),
+            ("cuEventSynchronize", Some(0xe), 7),
+            ("cuCtxSynchronize", None, 1000),
+        ] {
+            c.observe(&mut call(api, |c| {
+                c.stream = h;
+                c.duration_ns = d;
+            }));
+        }
         let s = &c.procs[&10].stats;
         assert_eq!(
-            (s.failed_calls, s.outstanding_bytes, s.allocs.count),
-            (1, 0, 1)
+            s.sync_by_target[&SyncTarget::Stream(5)],
+            Amount {
+                count: 2,
+                bytes: 0,
+                ns: 350
+            }
         );
+        assert_eq!(s.sync_by_target[&SyncTarget::Event(0xe)].ns, 7);
+        assert_eq!(s.sync_by_target[&SyncTarget::Context].ns, 1000);
+        assert_eq!((s.syncs.count, s.syncs.ns, s.slow_calls), (4, 1357, 2));
     }
 }

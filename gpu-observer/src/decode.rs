@@ -1,8 +1,10 @@
 //! Decode: ring-buffer records → typed events, arguments read by the API table.
 
+use std::sync::Arc;
+
 use gpu_observer_common::{
-    api::{self, ApiSpec, Direction, Family, MemKind, NO_ARG},
-    event::{CallEvent, EventHeader, EventKind, IoctlEvent, LaunchEvent, read_record},
+    api::{self, ApiSpec, Direction, Family, Flags, MemKind, NO_ARG},
+    event::{CallEvent, EventHeader, EventKind, IoctlEvent, LaunchEvent, NameEvent, read_record},
 };
 
 /// One decoded record. Borrowing nothing: it is copied out of the ring.
@@ -32,6 +34,38 @@ pub struct Launch {
     pub shared_mem_bytes: u32,
     pub stream: u64,
     pub read_errors: u32,
+    /// Set by correlate when the handle's name is known.
+    pub kernel: Option<Arc<KernelName>>,
+}
+
+/// A kernel's name as loaded and as people read it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct KernelName {
+    pub mangled: Box<str>,
+    pub demangled: Box<str>,
+}
+
+impl KernelName {
+    /// Demangles C++ (Itanium) names; `extern "C"` names stay as they are.
+    pub fn new(mangled: &str) -> Self {
+        let demangled = cpp_demangle::Symbol::new(mangled)
+            .ok()
+            .and_then(|s| s.demangle(&cpp_demangle::DemangleOptions::default()).ok())
+            .unwrap_or_else(|| mangled.to_string());
+        Self {
+            mangled: mangled.into(),
+            demangled: demangled.into(),
+        }
+    }
+}
+
+/// Where the host side of a copy lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostMemory {
+    /// Page-locked: allocated or registered with the driver (DMA straight from it).
+    Pinned,
+    /// Ordinary memory: the driver stages it through a pinned buffer.
+    Pageable,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -52,6 +86,18 @@ pub struct Call {
     pub ioctl_ns: u64,
     pub nested: u32,
     pub read_errors: u32,
+    /// Module/library/kernel/function handle the call produced or named.
+    pub handle: Option<u64>,
+    /// What `handle` came from: the module, library or kernel.
+    pub owner: Option<u64>,
+    /// Kernel name as the caller passed it (mangled), for symbol calls.
+    pub name: Option<Box<str>>,
+    /// Host side of a copy (set by correlate).
+    pub host_memory: Option<HostMemory>,
+    /// Whether correlate inferred `direction` from tracked allocations.
+    pub direction_inferred: bool,
+    /// For symbol calls: the name `handle` now has (set by correlate).
+    pub kernel: Option<Arc<KernelName>>,
 }
 
 #[derive(Clone, Debug)]
@@ -62,15 +108,15 @@ pub struct Ioctl {
     pub duration_ns: u64,
     pub ret: i64,
     pub parent: Option<&'static ApiSpec>,
+    /// What the driver was asked to do (`NV_ESC_RM_CONTROL`, `UVM_MAP_EXTERNAL_ALLOCATION`), set by correlate.
+    pub name: Option<&'static str>,
+    /// The device file behind the fd (`/dev/nvidiactl`), set by correlate.
+    pub device: Option<Arc<str>>,
 }
 
 impl Event {
     pub fn comm(&self) -> &str {
-        let end = self
-            .comm
-            .iter()
-            .position(|&b| b == 0)
-            .unwrap_or(self.comm.len());
+        let end = self.comm.iter().position(|&b| b == 0).unwrap_or(self.comm.len());
         std::str::from_utf8(&self.comm[..end]).unwrap_or("?")
     }
 }
@@ -100,6 +146,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 shared_mem_bytes: r.shared_mem_bytes,
                 stream: r.stream,
                 read_errors: r.read_errors,
+                kernel: None,
             })
         }
         EventKind::Call => {
@@ -116,7 +163,19 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 duration_ns: r.duration_ns,
                 ret: r.ret,
                 parent: api::by_id(r.parent_api),
+                name: None,
+                device: None,
             })
+        }
+        EventKind::Name => {
+            let r: NameEvent = read_record(bytes).ok_or(DecodeError::Short)?;
+            let spec = api.ok_or(DecodeError::UnknownApi(0))?;
+            let mut call = decode_call(spec, &r.call);
+            let end = r.name.iter().position(|&b| b == 0).unwrap_or(r.name.len());
+            if end > 0 {
+                call.name = Some(String::from_utf8_lossy(&r.name[..end]).into());
+            }
+            Body::Call(call)
         }
         EventKind::ProcessExit => Body::ProcessExit,
     };
@@ -131,9 +190,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
 }
 
 fn arg(r: &CallEvent, n: u8) -> Option<u64> {
-    (n != NO_ARG)
-        .then(|| r.args.get(usize::from(n)).copied())
-        .flatten()
+    (n != NO_ARG).then(|| r.args.get(usize::from(n)).copied()).flatten()
 }
 
 /// Reads a call's interesting arguments by its API's layout.
@@ -145,10 +202,7 @@ pub fn decode_call(spec: &ApiSpec, r: &CallEvent) -> Call {
             let n = arg(r, spec.bytes_arg).unwrap_or(0);
             let rows = arg(r, spec.height_arg).unwrap_or(1);
             (
-                Some(
-                    n.saturating_mul(rows)
-                        .saturating_mul(u64::from(spec.elem_size)),
-                ),
+                Some(n.saturating_mul(rows).saturating_mul(u64::from(spec.elem_size))),
                 arg(r, spec.dst_arg),
             )
         }
@@ -159,27 +213,32 @@ pub fn decode_call(spec: &ApiSpec, r: &CallEvent) -> Call {
             } else {
                 arg(r, spec.bytes_arg)
             };
-            (bytes, ok.then_some(r.out[0]))
+            // Out-pointer for allocations, the registered pointer for cuMemHostRegister.
+            let address = if spec.flags & Flags::DEREF_ARG0 != 0 {
+                ok.then_some(r.out[0])
+            } else {
+                arg(r, spec.dst_arg)
+            };
+            (bytes, address)
         }
         Family::Free => (None, arg(r, spec.dst_arg)),
         _ => (None, None),
     };
     let copy_ptrs = matches!(spec.family, Family::Memcpy);
+    let (handle, owner) = match spec.family {
+        Family::Module if spec.flags & Flags::DEREF_ARG0 != 0 => (ok.then_some(r.out[0]), None),
+        Family::Module => (arg(r, spec.dst_arg), None),
+        Family::Symbol if spec.flags & Flags::NAME_OUT0 != 0 => (arg(r, spec.src_arg), None),
+        Family::Symbol => (ok.then_some(r.out[0]), arg(r, spec.src_arg)),
+        _ => (None, None),
+    };
     Call {
         bytes,
         direction: spec.direction,
         mem: spec.mem,
         stream: arg(r, spec.stream_arg),
-        dst: if copy_ptrs {
-            arg(r, spec.dst_arg)
-        } else {
-            None
-        },
-        src: if copy_ptrs {
-            arg(r, spec.src_arg)
-        } else {
-            None
-        },
+        dst: if copy_ptrs { arg(r, spec.dst_arg) } else { None },
+        src: if copy_ptrs { arg(r, spec.src_arg) } else { None },
         address,
         duration_ns: r.duration_ns,
         result: r.result,
@@ -187,6 +246,12 @@ pub fn decode_call(spec: &ApiSpec, r: &CallEvent) -> Call {
         ioctl_ns: r.ioctl_ns,
         nested: r.nested,
         read_errors: r.read_errors,
+        handle,
+        owner,
+        name: None,
+        host_memory: None,
+        direction_inferred: false,
+        kernel: None,
     }
 }
 
@@ -230,22 +295,14 @@ mod tests {
 
     #[test]
     fn copies_read_bytes_stream_and_direction_by_layout() {
-        let (ev, c) = call(
-            "cuMemcpyDtoHAsync_v2_ptsz",
-            [0x1000, 0x2000, 4096, 0x77, 0, 0],
-            [0; 2],
-        );
+        let (ev, c) = call("cuMemcpyDtoHAsync_v2_ptsz", [0x1000, 0x2000, 4096, 0x77, 0, 0], [0; 2]);
         assert_eq!(ev.comm(), "worker");
         assert_eq!(
             (c.bytes, c.stream, c.direction),
             (Some(4096), Some(0x77), Direction::GpuToCpu)
         );
         assert_eq!((c.dst, c.src), (Some(0x1000), Some(0x2000)));
-        let (_, c) = call(
-            "cuMemcpyPeerAsync",
-            [0xa, 0xc1, 0xb, 0xc2, 12345, 0x99],
-            [0; 2],
-        );
+        let (_, c) = call("cuMemcpyPeerAsync", [0xa, 0xc1, 0xb, 0xc2, 12345, 0x99], [0; 2]);
         assert_eq!(
             (c.bytes, c.stream, c.direction, c.src),
             (Some(12345), Some(0x99), Direction::Unknown, Some(0xb))
@@ -258,21 +315,13 @@ mod tests {
     fn memsets_multiply_elements_rows_and_element_size() {
         let (_, c) = call("cuMemsetD32Async", [0x1000, 7, 1000, 0x55, 0, 0], [0; 2]);
         assert_eq!((c.bytes, c.stream), (Some(4000), Some(0x55)));
-        let (_, c) = call(
-            "cuMemsetD2D16_v2_ptds",
-            [0x1000, 8192, 7, 100, 10, 0],
-            [0; 2],
-        );
+        let (_, c) = call("cuMemsetD2D16_v2_ptds", [0x1000, 8192, 7, 100, 10, 0], [0; 2]);
         assert_eq!((c.bytes, c.stream), (Some(2000), None));
     }
 
     #[test]
     fn allocations_take_address_and_pitch_from_out_pointers() {
-        let (_, c) = call(
-            "cuMemAlloc_v2",
-            [0x7ffd0000, 65536, 0, 0, 0, 0],
-            [0x7f1000000000, 0],
-        );
+        let (_, c) = call("cuMemAlloc_v2", [0x7ffd0000, 65536, 0, 0, 0, 0], [0x7f1000000000, 0]);
         assert_eq!(
             (c.bytes, c.address, c.mem),
             (Some(65536), Some(0x7f1000000000), MemKind::Device)
@@ -283,15 +332,8 @@ mod tests {
             [0x7f1000001000, 1024],
         );
         assert_eq!((c.bytes, c.address), (Some(4096), Some(0x7f1000001000)));
-        let (_, c) = call(
-            "cuMemFreeAsync_ptsz",
-            [0x7f1000000000, 0x42, 0, 0, 0, 0],
-            [0; 2],
-        );
-        assert_eq!(
-            (c.bytes, c.address, c.stream),
-            (None, Some(0x7f1000000000), Some(0x42))
-        );
+        let (_, c) = call("cuMemFreeAsync_ptsz", [0x7f1000000000, 0x42, 0, 0, 0, 0], [0; 2]);
+        assert_eq!((c.bytes, c.address, c.stream), (None, Some(0x7f1000000000), Some(0x42)));
     }
 
     #[test]

@@ -9,6 +9,7 @@ mod cli;
 mod correlate;
 mod decode;
 mod export;
+mod ioctl_names;
 mod pipeline;
 mod preflight;
 
@@ -28,16 +29,14 @@ use tokio::signal::unix::{SignalKind, signal};
 use crate::{
     attach::{FileKey, Probes, discover},
     cli::{Cli, Format},
+    correlate::Correlator,
     export::{jsonl::JsonlWriter, terminal},
     pipeline::{Reader, Shared},
 };
 
 fn main() {
     let cli = Cli::parse();
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("gpu-observer: error: cannot start the runtime: {e}");
@@ -65,9 +64,7 @@ impl Attacher {
     fn attach(&mut self, path: &Path, key: FileKey, seen_in: Option<u32>) {
         match self.probes.attach_library(path, key) {
             Ok(Some(r)) => {
-                let whose = seen_in
-                    .map(|p| format!(", mapped by pid {p}"))
-                    .unwrap_or_default();
+                let whose = seen_in.map(|p| format!(", mapped by pid {p}")).unwrap_or_default();
                 say(format_args!(
                     "attached {} ({} entry points, {} probes{whose})",
                     path.display(),
@@ -89,10 +86,7 @@ impl Attacher {
                 }
             }
             Ok(None) => {}
-            Err(e) => say(format_args!(
-                "warning: cannot attach {}: {e:#}",
-                path.display()
-            )),
+            Err(e) => say(format_args!("warning: cannot attach {}: {e:#}", path.display())),
         }
     }
 
@@ -111,10 +105,7 @@ impl Attacher {
                 && !now.contains(&lib.pid)
                 && let Err(e) = self.probes.observe_pid(lib.pid)
             {
-                say(format_args!(
-                    "warning: cannot observe ioctls of pid {}: {e:#}",
-                    lib.pid
-                ));
+                say(format_args!("warning: cannot observe ioctls of pid {}: {e:#}", lib.pid));
             }
             now.insert(lib.pid);
         }
@@ -158,10 +149,13 @@ async fn observe(cli: Cli) -> Result<()> {
     let mapped = at.rescan();
 
     let output = match cli.format {
-        Format::Jsonl => Some(JsonlWriter::new(open_output(cli.output.as_deref())?)),
+        Format::Jsonl => Some(JsonlWriter::new(
+            open_output(cli.output.as_deref())?,
+            cli.threshold_us * 1000,
+        )),
         Format::Terminal => None,
     };
-    let shared = Arc::new(Shared::default());
+    let shared = Arc::new(Shared::new(Correlator::new(cli.threshold_us * 1000)));
     let reader = Reader::spawn(at.probes.take_ring()?, shared.clone(), output)?;
     let started = Instant::now();
     say("ready");
@@ -180,23 +174,27 @@ async fn observe(cli: Cli) -> Result<()> {
         }
     }
 
-    let live =
-        cli.format == Format::Terminal && cli.output.is_none() && std::io::stdout().is_terminal();
+    let live = cli.format == Format::Terminal && cli.output.is_none() && std::io::stdout().is_terminal();
     let mut view = terminal::LiveView::default();
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigusr1 = signal(SignalKind::user_defined1())?;
     let interval = Duration::from_millis(cli.interval_ms);
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let deadline = cli
-        .duration
-        .map(|s| started + Duration::from_secs_f64(s.max(0.0)));
+    let deadline = cli.duration.map(|s| started + Duration::from_secs_f64(s.max(0.0)));
     let mut last_drops = 0;
     loop {
         let sleep_until = deadline.map(tokio::time::Instant::from_std);
         tokio::select! {
             _ = sigint.recv() => break,
             _ = sigterm.recv() => break,
+            _ = sigusr1.recv() => {
+                // Leak report on demand: `leak` lines in the JSON output, a table on stderr.
+                shared.dump_leaks.store(true, std::sync::atomic::Ordering::SeqCst);
+                let corr = shared.corr.lock().expect("correlator lock");
+                eprint!("{}", terminal::leak_report(&corr));
+            }
             _ = async { match sleep_until { Some(t) => tokio::time::sleep_until(t).await, None => std::future::pending().await } } => break,
             _ = tick.tick() => {
                 let mapped = at.rescan();
@@ -245,10 +243,7 @@ async fn observe(cli: Cli) -> Result<()> {
         Some(mut out) => {
             out.summary(&corr, &drops, wall_ns, unattributed)?;
             out.into_inner().flush()?;
-            say(format_args!(
-                "{} events, {} dropped",
-                corr.events, drops.total
-            ));
+            say(format_args!("{} events, {} dropped", corr.events, drops.total));
         }
         None => {
             let mut out = open_output(cli.output.as_deref())?;

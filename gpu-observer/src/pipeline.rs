@@ -18,7 +18,7 @@ use aya::maps::{MapData, RingBuf};
 
 use crate::{
     correlate::Correlator,
-    decode::{Event, decode},
+    decode::{Body, Event, decode},
     export::jsonl::JsonlWriter,
 };
 
@@ -29,11 +29,33 @@ const BATCH: usize = 4096;
 
 pub type Output = JsonlWriter<Box<dyn Write + Send>>;
 
+/// How often processes whose memory changed get a `memory` line.
+const MEMORY_INTERVAL: Duration = Duration::from_secs(1);
+
 /// State shared between the reader and the main task.
-#[derive(Default)]
 pub struct Shared {
     pub corr: Mutex<Correlator>,
     stop: AtomicBool,
+    /// Set by SIGUSR1: write a leak report for every process.
+    pub dump_leaks: AtomicBool,
+}
+
+impl Shared {
+    pub fn new(corr: Correlator) -> Self {
+        Self {
+            corr: Mutex::new(corr),
+            stop: AtomicBool::new(false),
+            dump_leaks: AtomicBool::new(false),
+        }
+    }
+}
+
+/// CLOCK_MONOTONIC in ns: the clock of `bpf_ktime_get_ns`, for lines the agent makes itself.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid timespec out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 pub struct Reader {
@@ -42,11 +64,7 @@ pub struct Reader {
 }
 
 impl Reader {
-    pub fn spawn(
-        ring: RingBuf<MapData>,
-        shared: Arc<Shared>,
-        output: Option<Output>,
-    ) -> Result<Self> {
+    pub fn spawn(ring: RingBuf<MapData>, shared: Arc<Shared>, output: Option<Output>) -> Result<Self> {
         let s = shared.clone();
         let handle = std::thread::Builder::new()
             .name("ring-reader".into())
@@ -63,15 +81,13 @@ impl Reader {
     }
 }
 
-fn run(
-    mut ring: RingBuf<MapData>,
-    shared: &Shared,
-    mut output: Option<Output>,
-) -> Result<Option<Output>> {
+fn run(mut ring: RingBuf<MapData>, shared: &Shared, mut output: Option<Output>) -> Result<Option<Output>> {
     let fd = ring.as_raw_fd();
     let mut batch: Vec<Event> = Vec::with_capacity(BATCH);
     let mut decode_errors = 0u64;
     let mut last_flush = Instant::now();
+    let mut last_memory = Instant::now();
+    let mut exited: Vec<u32> = Vec::new();
     loop {
         // Read the flag before draining: whatever was submitted before stop() is drained below.
         let stopping = shared.stop.load(Ordering::SeqCst);
@@ -104,14 +120,45 @@ fn run(
                 corr.decode_errors += std::mem::take(&mut decode_errors);
                 for ev in &mut batch {
                     corr.observe(ev);
+                    if matches!(ev.body, Body::ProcessExit) {
+                        exited.push(ev.pid);
+                    }
                 }
             }
             if let Some(out) = output.as_mut() {
                 for ev in &batch {
                     out.event(ev)?;
                 }
+                // A process that exited: what it never freed.
+                if !exited.is_empty() {
+                    let corr = shared.corr.lock().expect("correlator lock");
+                    let now = monotonic_ns();
+                    for pid in &exited {
+                        if let Some(p) = corr.procs.get(pid) {
+                            out.leaks(now, p)?;
+                        }
+                    }
+                }
             }
+            exited.clear();
             batch.clear();
+        }
+        if let Some(out) = output.as_mut() {
+            let on_demand = shared.dump_leaks.swap(false, Ordering::SeqCst);
+            if on_demand || stopping || last_memory.elapsed() >= MEMORY_INTERVAL {
+                let mut corr = shared.corr.lock().expect("correlator lock");
+                let now = monotonic_ns();
+                for m in corr.memory_samples() {
+                    let comm = corr.procs.get(&m.pid).map(|p| p.comm.as_str()).unwrap_or("");
+                    out.memory(now, &m, comm)?;
+                }
+                if on_demand {
+                    for p in corr.sorted().into_iter().filter(|p| !p.exited) {
+                        out.leaks(now, p)?;
+                    }
+                }
+                last_memory = Instant::now();
+            }
         }
         if let Some(out) = output.as_mut()
             && (stopping || last_flush.elapsed() >= FLUSH_INTERVAL)

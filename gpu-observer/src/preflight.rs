@@ -89,9 +89,7 @@ pub fn explain_load_error(e: aya::EbpfError) -> anyhow::Error {
 }
 
 /// Turns a program-load failure (verifier, missing helper) into a message naming the program.
-pub fn explain_program_error(
-    name: &str,
-) -> impl FnOnce(aya::programs::ProgramError) -> anyhow::Error + '_ {
+pub fn explain_program_error(name: &str) -> impl FnOnce(aya::programs::ProgramError) -> anyhow::Error + '_ {
     move |e| {
         anyhow::anyhow!(
             "the kernel refused eBPF program `{name}`: {e:#}\n\

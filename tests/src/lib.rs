@@ -163,10 +163,7 @@ impl Agent {
             }
             if start.elapsed() > Duration::from_secs(30) {
                 let _ = self.child.kill();
-                panic!(
-                    "gpu-observer did not exit; stderr:\n{}",
-                    self.stderr().join("\n")
-                );
+                panic!("gpu-observer did not exit; stderr:\n{}", self.stderr().join("\n"));
             }
             std::thread::sleep(Duration::from_millis(20));
         };
@@ -195,10 +192,7 @@ impl Captured {
     /// The last line: the total summary.
     pub fn total(&self) -> &Value {
         let last = self.events.last().expect("no output at all");
-        assert_eq!(
-            last["type"], "summary",
-            "last line is not the summary: {last}"
-        );
+        assert_eq!(last["type"], "summary", "last line is not the summary: {last}");
         assert_eq!(last["scope"], "total");
         last
     }
@@ -280,6 +274,12 @@ impl Drop for Workload {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Lines that are events from the probes, not lines the agent adds (summaries, memory samples,
+/// leak reports).
+pub fn is_event(e: &Value) -> bool {
+    !matches!(e["type"].as_str(), Some("summary" | "memory" | "leak"))
 }
 
 /// Reads the workload's record of the calls it made.

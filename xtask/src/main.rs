@@ -76,10 +76,7 @@ fn main() -> ExitCode {
 }
 
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
 
 fn tools() -> PathBuf {
@@ -153,10 +150,7 @@ fn setup() -> Result<()> {
     let sysroot = output(Command::new("rustc").args(["--print", "sysroot"]))?
         .trim()
         .to_string();
-    if !Path::new(&sysroot)
-        .join("lib/rustlib/src/rust/library/core")
-        .is_dir()
-    {
+    if !Path::new(&sysroot).join("lib/rustlib/src/rust/library/core").is_dir() {
         eprintln!("xtask: installing rust-src");
         status(Command::new("rustup").args(["component", "add", "rust-src"]))?;
     }
@@ -167,9 +161,7 @@ fn setup() -> Result<()> {
         let llvm = std::fs::read_dir(&lib)?
             .flatten()
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .find(|n| {
-                n.starts_with("libLLVM.so.") || (n.starts_with("libLLVM-") && n.ends_with(".so"))
-            })
+            .find(|n| n.starts_with("libLLVM.so.") || (n.starts_with("libLLVM-") && n.ends_with(".so")))
             .context("rustc ships no libLLVM")?;
         let real = std::fs::canonicalize(lib.join(&llvm))?;
         let prefix = tools().join("llvm");
@@ -211,9 +203,7 @@ fn setup() -> Result<()> {
 
 fn apt(pkgs: &[&str]) -> Result<()> {
     let mut update = Command::new("apt-get");
-    update
-        .arg("update")
-        .env("DEBIAN_FRONTEND", "noninteractive");
+    update.arg("update").env("DEBIAN_FRONTEND", "noninteractive");
     as_root(&mut update)?;
     let mut install = Command::new("apt-get");
     install
@@ -255,14 +245,7 @@ fn run_observer(release: bool, args: &[OsString]) -> Result<()> {
 
 fn lint() -> Result<()> {
     status(cargo().args(["fmt", "--all", "--check"]))?;
-    status(cargo().args([
-        "clippy",
-        "--workspace",
-        "--all-targets",
-        "--",
-        "-D",
-        "warnings",
-    ]))
+    status(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))
 }
 
 fn test(lint_too: bool, args: &[OsString]) -> Result<()> {

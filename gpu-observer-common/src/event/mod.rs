@@ -20,10 +20,12 @@ pub enum EventKind {
     Ioctl = 3,
     /// [`EventHeader`] alone: the process (thread group leader) exited.
     ProcessExit = 4,
+    /// [`NameEvent`]: a call that named a kernel handle.
+    Name = 5,
 }
 
 impl EventKind {
-    pub const COUNT: u32 = 5;
+    pub const COUNT: u32 = 6;
 
     pub fn from_u32(v: u32) -> Option<Self> {
         Some(match v {
@@ -31,6 +33,7 @@ impl EventKind {
             2 => Self::Call,
             3 => Self::Ioctl,
             4 => Self::ProcessExit,
+            5 => Self::Name,
             _ => return None,
         })
     }
@@ -76,6 +79,8 @@ pub mod read_error {
     pub const CONFIG: u32 = 2;
     /// An out-pointer of an allocation, read at return.
     pub const OUT_PTR: u32 = 4;
+    /// The kernel name string.
+    pub const NAME: u32 = 8;
 }
 
 /// A probed call from entry to return. Arguments are raw; the agent decodes them by API.
@@ -96,6 +101,17 @@ pub struct CallEvent {
     /// Nested probed calls this call made (counted, not reported).
     pub nested: u32,
     pub read_errors: u32,
+}
+
+/// Longest kernel name copied (mangled C++ names of template kernels run to hundreds of bytes).
+pub const NAME_LEN: usize = 1024;
+
+/// A [`CallEvent`] that named a kernel handle, with the name (NUL-terminated, maybe truncated).
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub struct NameEvent {
+    pub call: CallEvent,
+    pub name: [u8; NAME_LEN],
 }
 
 /// An ioctl issued by an observed thread.
@@ -153,4 +169,5 @@ const _: () = {
     assert!(core::mem::size_of::<LaunchEvent>().is_multiple_of(8));
     assert!(core::mem::size_of::<CallEvent>().is_multiple_of(8));
     assert!(core::mem::size_of::<IoctlEvent>().is_multiple_of(8));
+    assert!(core::mem::size_of::<NameEvent>().is_multiple_of(8));
 };

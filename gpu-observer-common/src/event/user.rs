@@ -13,6 +13,7 @@ pod!(
     EventHeader,
     LaunchEvent,
     CallEvent,
+    NameEvent,
     IoctlEvent,
     Inflight,
     IoctlStart

@@ -92,11 +92,7 @@ pub fn scan_all() -> Vec<MappedLibrary> {
     };
     let mut out = Vec::new();
     for entry in dir.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<u32>().ok())
-        else {
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
             continue;
         };
         if pid != me {

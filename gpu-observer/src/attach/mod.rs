@@ -150,8 +150,7 @@ impl Probes {
                 .program_mut(name)
                 .ok_or_else(|| anyhow!("program {name} missing from the eBPF object"))?
                 .try_into()?;
-            prog.load()
-                .map_err(crate::preflight::explain_program_error(name))?;
+            prog.load().map_err(crate::preflight::explain_program_error(name))?;
             prog.attach(category, event).with_context(|| {
                 format!("attach tracepoint {category}/{event}: is tracefs mounted (/sys/kernel/tracing)?")
             })?;
@@ -200,12 +199,7 @@ impl Probes {
     }
 
     /// One uprobe-multi link per program for this file.
-    fn attach_multi(
-        &mut self,
-        path: &Path,
-        syms: &symbols::LibrarySymbols,
-        report: &mut AttachReport,
-    ) -> Result<()> {
+    fn attach_multi(&mut self, path: &Path, syms: &symbols::LibrarySymbols, report: &mut AttachReport) -> Result<()> {
         let multi = self.multi.as_ref().expect("checked by the caller");
         let cpath = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
             .with_context(|| format!("path {} has a NUL byte", path.display()))?;
@@ -215,10 +209,7 @@ impl Probes {
         };
         let mut groups: Vec<LinkGroup> = Vec::new();
         for p in probe_points(syms) {
-            let i = match groups
-                .iter()
-                .position(|g| g.prog == p.prog && g.ret == p.ret)
-            {
+            let i = match groups.iter().position(|g| g.prog == p.prog && g.ret == p.ret) {
                 Some(i) => i,
                 None => {
                     groups.push(LinkGroup {
@@ -251,9 +242,7 @@ impl Probes {
                 Err(e) => {
                     for name in apis {
                         if failed.insert(name) {
-                            report
-                                .failed
-                                .push((name, format!("uprobe-multi link for {prog}: {e}")));
+                            report.failed.push((name, format!("uprobe-multi link for {prog}: {e}")));
                         }
                     }
                 }
@@ -264,12 +253,7 @@ impl Probes {
     }
 
     /// Perf-event uprobes through aya, one per entry point and program.
-    fn attach_perf(
-        &mut self,
-        path: &Path,
-        syms: &symbols::LibrarySymbols,
-        report: &mut AttachReport,
-    ) -> Result<()> {
+    fn attach_perf(&mut self, path: &Path, syms: &symbols::LibrarySymbols, report: &mut AttachReport) -> Result<()> {
         let mut failed = std::collections::HashSet::new();
         for p in probe_points(syms) {
             let point = UProbeAttachPoint {
@@ -297,8 +281,7 @@ impl Probes {
 
     /// Records a process's ioctls from now on (it maps libcuda, but may not have called it yet).
     pub fn observe_pid(&mut self, pid: u32) -> Result<()> {
-        let mut observed: BpfHashMap<_, u32, u32> =
-            BpfHashMap::try_from(map_mut(&mut self.ebpf, names::OBSERVED)?)?;
+        let mut observed: BpfHashMap<_, u32, u32> = BpfHashMap::try_from(map_mut(&mut self.ebpf, names::OBSERVED)?)?;
         observed.insert(pid, 1, 0)?;
         Ok(())
     }

@@ -19,8 +19,8 @@ use std::{
 use anyhow::{Context, Result, anyhow, bail};
 use aya::{Ebpf, maps::Map};
 use aya_obj::generated::{
-    BPF_F_UPROBE_MULTI_RETURN, bpf_attach_type::BPF_TRACE_UPROBE_MULTI, bpf_attr, bpf_cmd,
-    bpf_insn, bpf_prog_type::BPF_PROG_TYPE_KPROBE,
+    BPF_F_UPROBE_MULTI_RETURN, bpf_attach_type::BPF_TRACE_UPROBE_MULTI, bpf_attr, bpf_cmd, bpf_insn,
+    bpf_prog_type::BPF_PROG_TYPE_KPROBE,
 };
 
 /// The uprobe programs, loaded for uprobe-multi attach.
@@ -133,8 +133,7 @@ fn load_program(name: &str, insns: &[bpf_insn], license: &CStr) -> Result<OwnedF
     for attempt in 0..2 {
         // SAFETY: all-zero is a valid bpf_attr.
         let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
-        let cname =
-            CString::new(&name.as_bytes()[..name.len().min(15)]).expect("no NUL in program names");
+        let cname = CString::new(&name.as_bytes()[..name.len().min(15)]).expect("no NUL in program names");
         // SAFETY: writing the prog-load member of the zeroed union.
         unsafe {
             let p = &mut attr.__bindgen_anon_3;
@@ -154,9 +153,7 @@ fn load_program(name: &str, insns: &[bpf_insn], license: &CStr) -> Result<OwnedF
         }
         match bpf(bpf_cmd::BPF_PROG_LOAD, &mut attr) {
             Ok(fd) => return Ok(fd),
-            Err(e) if attempt == 0 && e.raw_os_error() != Some(libc::EPERM) => {
-                log = vec![0u8; 1 << 20]
-            }
+            Err(e) if attempt == 0 && e.raw_os_error() != Some(libc::EPERM) => log = vec![0u8; 1 << 20],
             Err(e) => {
                 let text = String::from_utf8_lossy(&log);
                 let tail: String = text

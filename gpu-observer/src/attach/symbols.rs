@@ -21,10 +21,8 @@ pub fn resolve(path: &Path) -> Result<LibrarySymbols> {
     let file = File::open(path).with_context(|| format!("open {}", path.display()))?;
     // SAFETY: read-only private mapping; a library being replaced underneath is the same risk
     // the dynamic loader takes, and we only read symbol tables.
-    let map =
-        unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("map {}", path.display()))?;
-    let elf = object::File::parse(&*map)
-        .with_context(|| format!("{} is not an ELF file", path.display()))?;
+    let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("map {}", path.display()))?;
+    let elf = object::File::parse(&*map).with_context(|| format!("{} is not an ELF file", path.display()))?;
     let mut out = LibrarySymbols::default();
     for sym in elf.dynamic_symbols().chain(elf.symbols()) {
         if !sym.is_definition() {

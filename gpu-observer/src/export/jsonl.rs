@@ -7,17 +7,16 @@ use gpu_observer_common::api::Family;
 
 use crate::{
     attach::Drops,
-    correlate::{Correlator, DIRECTIONS, Process, direction_name, mem_name},
+    correlate::{
+        Correlator, DIRECTIONS, Leak, MemorySample, Process, SyncTarget, direction_name, host_memory_name, mem_name,
+    },
     decode::{Body, Call, Event},
     export::bandwidth_mbps,
 };
 
 pub struct JsonlWriter<W: Write> {
     out: W,
-}
-
-fn hex(v: u64) -> Hex {
-    Hex(v)
+    threshold_ns: u64,
 }
 
 /// A pointer or handle written as a JSON string `"0x…"`.
@@ -53,9 +52,30 @@ impl std::fmt::Display for OptNum {
     }
 }
 
+/// Writes `"key":` followed by a JSON string or `null`.
+fn opt_str<W: Write>(out: &mut W, key: &str, v: Option<&str>) -> io::Result<()> {
+    write!(out, ",\"{key}\":")?;
+    match v {
+        Some(s) => serde_json::to_writer(&mut *out, s).map_err(io::Error::other),
+        None => out.write_all(b"null"),
+    }
+}
+
+/// Writes `{"k":v,...}` for a list of (key, value) pairs.
+fn counts<W: Write, K: std::fmt::Display, V: std::fmt::Display>(
+    out: &mut W,
+    items: impl IntoIterator<Item = (K, V)>,
+) -> io::Result<()> {
+    out.write_all(b"{")?;
+    for (i, (k, v)) in items.into_iter().enumerate() {
+        write!(out, "{}\"{k}\":{v}", if i == 0 { "" } else { "," })?;
+    }
+    out.write_all(b"}")
+}
+
 impl<W: Write> JsonlWriter<W> {
-    pub fn new(out: W) -> Self {
-        Self { out }
+    pub fn new(out: W, threshold_ns: u64) -> Self {
+        Self { out, threshold_ns }
     }
 
     pub fn into_inner(self) -> W {
@@ -66,13 +86,16 @@ impl<W: Write> JsonlWriter<W> {
         self.out.flush()
     }
 
-    fn head(&mut self, ty: &str, ev: &Event) -> io::Result<()> {
+    fn head(&mut self, ty: &str, ts_ns: u64, pid: u32, tid: u32, comm: &str) -> io::Result<()> {
         write!(
             self.out,
-            "{{\"type\":\"{ty}\",\"ts_ns\":{},\"pid\":{},\"tid\":{},\"comm\":",
-            ev.ts_ns, ev.pid, ev.tid
+            "{{\"type\":\"{ty}\",\"ts_ns\":{ts_ns},\"pid\":{pid},\"tid\":{tid},\"comm\":"
         )?;
-        serde_json::to_writer(&mut self.out, ev.comm())?;
+        serde_json::to_writer(&mut self.out, comm).map_err(io::Error::other)
+    }
+
+    fn event_head(&mut self, ty: &str, ev: &Event) -> io::Result<()> {
+        self.head(ty, ev.ts_ns, ev.pid, ev.tid, ev.comm())?;
         if let Some(api) = ev.api {
             write!(self.out, ",\"api\":\"{}\"", api.name)?;
         }
@@ -82,11 +105,13 @@ impl<W: Write> JsonlWriter<W> {
     pub fn event(&mut self, ev: &Event) -> io::Result<()> {
         match &ev.body {
             Body::Launch(l) => {
-                self.head("launch", ev)?;
+                self.event_head("launch", ev)?;
+                opt_str(&mut self.out, "kernel", l.kernel.as_ref().map(|k| &*k.demangled))?;
+                opt_str(&mut self.out, "kernel_mangled", l.kernel.as_ref().map(|k| &*k.mangled))?;
                 write!(
                     self.out,
-                    ",\"kernel\":null,\"function\":{},\"grid\":[{},{},{}],\"block\":[{},{},{}],\"shared_mem_bytes\":{},\"stream\":{}",
-                    hex(l.function),
+                    ",\"function\":{},\"grid\":[{},{},{}],\"block\":[{},{},{}],\"shared_mem_bytes\":{},\"stream\":{}",
+                    Hex(l.function),
                     l.grid[0],
                     l.grid[1],
                     l.grid[2],
@@ -94,7 +119,7 @@ impl<W: Write> JsonlWriter<W> {
                     l.block[1],
                     l.block[2],
                     l.shared_mem_bytes,
-                    hex(l.stream)
+                    Hex(l.stream)
                 )?;
                 if l.read_errors != 0 {
                     write!(self.out, ",\"read_errors\":{}", l.read_errors)?;
@@ -108,41 +133,44 @@ impl<W: Write> JsonlWriter<W> {
                     Some(Family::Alloc) => "alloc",
                     Some(Family::Free) => "free",
                     Some(Family::Sync) => "sync",
+                    Some(Family::Module) => "module",
+                    Some(Family::Symbol) => "symbol",
                     _ => "init",
                 };
-                self.head(ty, ev)?;
+                self.event_head(ty, ev)?;
                 self.call_fields(family, c)?;
             }
             Body::Ioctl(i) => {
-                self.head("ioctl", ev)?;
+                self.event_head("ioctl", ev)?;
                 write!(
                     self.out,
-                    ",\"fd\":{},\"cmd\":{},\"arg\":{},\"duration_ns\":{},\"ret\":{},\"parent_api\":",
+                    ",\"fd\":{},\"cmd\":{},\"arg\":{},\"duration_ns\":{},\"ret\":{}",
                     i.fd,
-                    hex(u64::from(i.cmd)),
-                    hex(i.arg),
+                    Hex(u64::from(i.cmd)),
+                    Hex(i.arg),
                     i.duration_ns,
                     i.ret
                 )?;
-                match i.parent {
-                    Some(p) => write!(self.out, "\"{}\"", p.name)?,
-                    None => self.out.write_all(b"null")?,
-                }
+                opt_str(&mut self.out, "name", i.name)?;
+                opt_str(&mut self.out, "device", i.device.as_deref())?;
+                opt_str(&mut self.out, "parent_api", i.parent.map(|p| p.name))?;
             }
-            Body::ProcessExit => self.head("process_exit", ev)?,
+            Body::ProcessExit => self.event_head("process_exit", ev)?,
         }
         self.out.write_all(b"}\n")
     }
 
     fn call_fields(&mut self, family: Option<Family>, c: &Call) -> io::Result<()> {
+        let slow = c.duration_ns > self.threshold_ns;
         let o = &mut self.out;
         match family {
             Some(Family::Memcpy) => {
                 let bytes = c.bytes.unwrap_or(0);
                 write!(
                     o,
-                    ",\"direction\":\"{}\",\"bytes\":{bytes},\"duration_ns\":{},\"bandwidth_mbps\":{:.3},\"async\":{},\"stream\":{},\"dst\":{},\"src\":{}",
+                    ",\"direction\":\"{}\",\"direction_inferred\":{},\"bytes\":{bytes},\"duration_ns\":{},\"bandwidth_mbps\":{:.3},\"is_slow\":{slow},\"async\":{},\"stream\":{},\"dst\":{},\"src\":{}",
                     direction_name(c.direction),
+                    c.direction_inferred,
                     c.duration_ns,
                     bandwidth_mbps(bytes, c.duration_ns),
                     c.stream.is_some(),
@@ -150,11 +178,12 @@ impl<W: Write> JsonlWriter<W> {
                     OptHex(c.dst),
                     OptHex(c.src)
                 )?;
+                opt_str(o, "host_memory", c.host_memory.map(host_memory_name))?;
             }
             Some(Family::Memset) => {
                 write!(
                     o,
-                    ",\"bytes\":{},\"duration_ns\":{},\"stream\":{},\"address\":{}",
+                    ",\"bytes\":{},\"duration_ns\":{},\"is_slow\":{slow},\"stream\":{},\"address\":{}",
                     OptNum(c.bytes),
                     c.duration_ns,
                     OptHex(c.stream),
@@ -167,19 +196,33 @@ impl<W: Write> JsonlWriter<W> {
                     ",\"bytes\":{},\"address\":{},\"memory\":\"{}\",\"duration_ns\":{},\"stream\":{}",
                     OptNum(c.bytes),
                     OptHex(c.address),
-                    mem_name(c.mem).unwrap_or("device"),
+                    mem_name(c.mem),
                     c.duration_ns,
                     OptHex(c.stream)
                 )?;
             }
-            _ => {
+            Some(Family::Sync) => {
                 write!(
                     o,
-                    ",\"duration_ns\":{},\"handle\":{}",
+                    ",\"duration_ns\":{},\"is_slow\":{slow},\"handle\":{}",
                     c.duration_ns,
                     OptHex(c.stream)
                 )?;
             }
+            Some(Family::Module | Family::Symbol) => {
+                write!(
+                    o,
+                    ",\"duration_ns\":{},\"handle\":{},\"owner\":{}",
+                    c.duration_ns,
+                    OptHex(c.handle),
+                    OptHex(c.owner)
+                )?;
+                if family == Some(Family::Symbol) {
+                    opt_str(o, "name", c.name.as_deref())?;
+                    opt_str(o, "kernel", c.kernel.as_ref().map(|k| &*k.demangled))?;
+                }
+            }
+            _ => write!(o, ",\"duration_ns\":{},\"handle\":{}", c.duration_ns, OptHex(c.stream))?,
         }
         write!(
             o,
@@ -195,65 +238,92 @@ impl<W: Write> JsonlWriter<W> {
         Ok(())
     }
 
+    /// A point of a process's device-memory timeline.
+    pub fn memory(&mut self, ts_ns: u64, m: &MemorySample, comm: &str) -> io::Result<()> {
+        self.head("memory", ts_ns, m.pid, m.pid, comm)?;
+        writeln!(
+            self.out,
+            ",\"device_bytes\":{},\"managed_bytes\":{},\"host_pinned_bytes\":{},\"live_allocations\":{}}}",
+            m.device, m.managed, m.host, m.allocations
+        )
+    }
+
+    /// Allocations a process has not freed: at its exit, or on demand (SIGUSR1).
+    pub fn leaks(&mut self, ts_ns: u64, p: &Process) -> io::Result<()> {
+        for l in p.leaks() {
+            self.head("leak", ts_ns, p.pid, p.pid, &p.comm)?;
+            writeln!(
+                self.out,
+                ",\"api\":\"{}\",\"memory\":\"{}\",\"count\":{},\"bytes\":{},\"process_exited\":{}}}",
+                l.api,
+                mem_name(l.mem),
+                l.count,
+                l.bytes,
+                p.exited
+            )?;
+        }
+        Ok(())
+    }
+
     /// One `summary` line per process, then the total line (always last; `events` and
     /// `dropped` always present).
-    pub fn summary(
-        &mut self,
-        corr: &Correlator,
-        drops: &Drops,
-        wall_ns: u64,
-        unattributed: u64,
-    ) -> io::Result<()> {
+    pub fn summary(&mut self, corr: &Correlator, drops: &Drops, wall_ns: u64, unattributed: u64) -> io::Result<()> {
         for p in corr.sorted() {
-            self.process_summary(p, drops.by_pid.get(&p.pid).copied().unwrap_or(0), wall_ns)?;
+            self.process_summary(p, drops.by_pid.get(&p.pid).copied().unwrap_or(0))?;
         }
-        // Drops of processes the agent never saw an event from still count.
         write!(
             self.out,
-            "{{\"type\":\"summary\",\"scope\":\"total\",\"pid\":null,\"events\":{},\"dropped\":{},\"dropped_by_kind\":{{",
+            "{{\"type\":\"summary\",\"scope\":\"total\",\"pid\":null,\"events\":{},\"dropped\":{},\"dropped_by_kind\":",
             corr.events, drops.total
         )?;
-        for (i, (kind, n)) in drops.by_kind.iter().enumerate() {
+        let kinds = drops.by_kind.iter().map(|(kind, n)| {
             let name = match kind {
                 1 => "launch",
                 2 => "call",
                 3 => "ioctl",
-                _ => "process_exit",
+                4 => "process_exit",
+                _ => "name",
             };
-            write!(self.out, "{}\"{name}\":{n}", if i == 0 { "" } else { "," })?;
-        }
+            (name, *n)
+        });
+        counts(&mut self.out, kinds)?;
         write!(
             self.out,
-            "}},\"decode_errors\":{},\"processes\":{},\"forgotten_processes\":{},\"unattributed_drops\":{unattributed},\"wall_ns\":{wall_ns}}}",
+            ",\"decode_errors\":{},\"processes\":{},\"forgotten_processes\":{},\"unattributed_drops\":{unattributed},\"threshold_us\":{},\"wall_ns\":{wall_ns}}}",
             corr.decode_errors,
             corr.procs.len(),
-            corr.forgotten
+            corr.forgotten,
+            self.threshold_ns / 1000
         )?;
         self.out.write_all(b"\n")?;
         self.out.flush()
     }
 
-    fn process_summary(&mut self, p: &Process, dropped: u64, wall_ns: u64) -> io::Result<()> {
+    fn process_summary(&mut self, p: &Process, dropped: u64) -> io::Result<()> {
         let s = &p.stats;
+        let o = &mut self.out;
         write!(
-            self.out,
+            o,
             "{{\"type\":\"summary\",\"scope\":\"process\",\"pid\":{},\"comm\":",
             p.pid
         )?;
-        serde_json::to_writer(&mut self.out, &p.comm)?;
+        serde_json::to_writer(&mut *o, &p.comm).map_err(io::Error::other)?;
         write!(
-            self.out,
-            ",\"events\":{},\"dropped\":{dropped},\"exited\":{},\"launches\":{},\"launch_apis\":{{",
-            s.events, p.exited, s.launches
+            o,
+            ",\"events\":{},\"dropped\":{dropped},\"exited\":{},\"wall_ns\":{},\"launches\":{},\"named_launches\":{},\"unresolved_launches\":{},\"launch_apis\":",
+            s.events,
+            p.exited,
+            p.span_ns(),
+            s.launches,
+            s.named_launches,
+            s.unresolved_launches
         )?;
-        for (i, (api, n)) in s.launch_apis.iter().enumerate() {
-            write!(self.out, "{}\"{api}\":{n}", if i == 0 { "" } else { "," })?;
-        }
-        self.out.write_all(b"},\"memcpy\":{")?;
+        counts(o, s.launch_apis.iter())?;
+        o.write_all(b",\"memcpy\":{")?;
         for (i, d) in DIRECTIONS.iter().enumerate() {
             let a = s.copies[i];
             write!(
-                self.out,
+                o,
                 "{}\"{}\":{{\"count\":{},\"bytes\":{},\"duration_ns\":{},\"bandwidth_mbps\":{:.3}}}",
                 if i == 0 { "" } else { "," },
                 direction_name(*d),
@@ -263,14 +333,12 @@ impl<W: Write> JsonlWriter<W> {
                 bandwidth_mbps(a.bytes, a.ns)
             )?;
         }
-        let sync_fraction = if wall_ns > 0 {
-            s.syncs.ns as f64 / wall_ns as f64
-        } else {
-            0.0
-        };
         write!(
-            self.out,
-            "}},\"memset\":{{\"count\":{},\"bytes\":{}}},\"alloc\":{{\"count\":{},\"bytes\":{}}},\"free\":{{\"count\":{},\"bytes\":{},\"unknown\":{}}},\"outstanding_bytes\":{},\"sync\":{{\"count\":{},\"duration_ns\":{},\"wall_fraction\":{:.4}}},\"init\":{{\"count\":{},\"duration_ns\":{}}},\"ioctl\":{{\"count\":{},\"duration_ns\":{},\"in_calls\":{}}},\"failed_calls\":{},\"calls\":{{",
+            o,
+            ",\"inferred\":{},\"pinned\":{},\"pageable\":{}}},\"memset\":{{\"count\":{},\"bytes\":{}}},\"alloc\":{{\"count\":{},\"bytes\":{}}},\"free\":{{\"count\":{},\"bytes\":{},\"unknown\":{}}},\"outstanding_bytes\":{},\"outstanding\":{{\"device\":{},\"managed\":{},\"host_pinned\":{},\"allocations\":{}}},\"leaks\":[",
+            s.inferred_copies,
+            s.pinned_copies,
+            s.pageable_copies,
             s.memsets.count,
             s.memsets.bytes,
             s.allocs.count,
@@ -278,20 +346,78 @@ impl<W: Write> JsonlWriter<W> {
             s.frees.count,
             s.frees.bytes,
             s.unknown_frees,
-            s.outstanding_bytes,
+            s.outstanding_bytes(),
+            s.live_device,
+            s.live_managed,
+            s.live_host,
+            s.live_allocs
+        )?;
+        for (i, Leak { api, mem, count, bytes }) in p.leaks().iter().enumerate() {
+            write!(
+                o,
+                "{}{{\"api\":\"{api}\",\"memory\":\"{}\",\"count\":{count},\"bytes\":{bytes}}}",
+                if i == 0 { "" } else { "," },
+                mem_name(*mem)
+            )?;
+        }
+        let span = p.span_ns() as f64;
+        write!(
+            o,
+            "],\"sync\":{{\"count\":{},\"duration_ns\":{},\"wall_fraction\":{:.4},\"by_target\":[",
             s.syncs.count,
             s.syncs.ns,
-            sync_fraction,
-            s.inits.count,
-            s.inits.ns,
-            s.ioctls.count,
-            s.ioctls.ns,
-            s.ioctls_in_calls,
-            s.failed_calls
+            s.syncs.ns as f64 / span
         )?;
-        for (i, (api, n)) in s.call_apis.iter().enumerate() {
-            write!(self.out, "{}\"{api}\":{n}", if i == 0 { "" } else { "," })?;
+        for (i, (t, a)) in s.sync_by_target.iter().enumerate() {
+            let (kind, handle) = match t {
+                SyncTarget::Context => ("context", None),
+                SyncTarget::Stream(h) => ("stream", Some(*h)),
+                SyncTarget::Event(h) => ("event", Some(*h)),
+                SyncTarget::Other => ("other", None),
+            };
+            write!(
+                o,
+                "{}{{\"kind\":\"{kind}\",\"handle\":{},\"count\":{},\"duration_ns\":{},\"wall_fraction\":{:.4}}}",
+                if i == 0 { "" } else { "," },
+                OptHex(handle),
+                a.count,
+                a.ns,
+                a.ns as f64 / span
+            )?;
         }
-        self.out.write_all(b"}}\n")
+        write!(
+            o,
+            "]}},\"init\":{{\"count\":{},\"duration_ns\":{}}},\"modules\":{{\"count\":{},\"duration_ns\":{}}},\"ioctl\":{{\"count\":{},\"duration_ns\":{},\"in_calls\":{},\"by_api\":{{",
+            s.inits.count, s.inits.ns, s.modules.count, s.modules.ns, s.ioctls.count, s.ioctls.ns, s.ioctls_in_calls
+        )?;
+        for (i, (api, a)) in s.ioctl_by_api.iter().enumerate() {
+            write!(
+                o,
+                "{}\"{api}\":{{\"count\":{},\"duration_ns\":{}}}",
+                if i == 0 { "" } else { "," },
+                a.count,
+                a.ns
+            )?;
+        }
+        o.write_all(b"},\"top_commands\":[")?;
+        let mut cmds: Vec<_> = s.ioctl_by_cmd.iter().collect();
+        cmds.sort_by(|a, b| b.1.1.ns.cmp(&a.1.1.ns).then(a.0.cmp(b.0)));
+        for (i, (cmd, (name, a))) in cmds.iter().take(10).enumerate() {
+            write!(
+                o,
+                "{}{{\"cmd\":{}",
+                if i == 0 { "" } else { "," },
+                Hex(u64::from(**cmd))
+            )?;
+            opt_str(o, "name", *name)?;
+            write!(o, ",\"count\":{},\"duration_ns\":{}}}", a.count, a.ns)?;
+        }
+        write!(
+            o,
+            "]}},\"slow_calls\":{},\"failed_calls\":{},\"calls\":",
+            s.slow_calls, s.failed_calls
+        )?;
+        counts(o, s.call_apis.iter())?;
+        o.write_all(b"}\n")
     }
 }

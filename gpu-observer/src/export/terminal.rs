@@ -32,13 +32,7 @@ fn human_bytes(b: u64) -> String {
 
 impl LiveView {
     /// Renders the table for an interval of `interval_s` seconds.
-    pub fn render(
-        &mut self,
-        corr: &Correlator,
-        drops: &Drops,
-        interval_s: f64,
-        elapsed_s: f64,
-    ) -> String {
+    pub fn render(&mut self, corr: &Correlator, drops: &Drops, interval_s: f64, elapsed_s: f64) -> String {
         let mut out = String::new();
         let _ = writeln!(
             out,
@@ -55,14 +49,7 @@ impl LiveView {
         let _ = writeln!(
             out,
             "{:>8} {:<16} {:>10} {:>22} {:>22} {:>14} {:>10} {:>16}",
-            "PID",
-            "COMM",
-            "LAUNCH/s",
-            "H→D (n, MB/s)",
-            "D→H (n, MB/s)",
-            "D→D/other n/s",
-            "SYNC %",
-            "IOCTL n/s, ms"
+            "PID", "COMM", "LAUNCH/s", "H→D (n, MB/s)", "D→H (n, MB/s)", "D→D/other n/s", "SYNC %", "IOCTL n/s, ms"
         );
         let mut next = HashMap::new();
         for p in corr.sorted() {
@@ -75,10 +62,7 @@ impl LiveView {
             let rate = |n: u64| n as f64 / interval_s;
             let dir = |d: Direction| {
                 let (a, b) = (now.copy(d), before.copy(d));
-                (
-                    a.count - b.count,
-                    (a.bytes - b.bytes) as f64 / MIB / interval_s,
-                )
+                (a.count - b.count, (a.bytes - b.bytes) as f64 / MIB / interval_s)
             };
             let (h2d_n, h2d_mb) = dir(Direction::CpuToGpu);
             let (d2h_n, d2h_mb) = dir(Direction::GpuToCpu);
@@ -108,6 +92,35 @@ impl LiveView {
         self.prev = next;
         out
     }
+}
+
+fn shorten(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        s.to_string()
+    } else {
+        format!("{}…", s.chars().take(max).collect::<String>())
+    }
+}
+
+/// Unfreed allocations of every process (SIGUSR1).
+pub fn leak_report(corr: &Correlator) -> String {
+    let mut out = String::from("gpu-observer: allocations not freed\n");
+    for p in corr.sorted() {
+        for l in p.leaks() {
+            let _ = writeln!(
+                out,
+                "  pid {:>7} {:<16} {:<28} {:>8} × {} ({}){}",
+                p.pid,
+                p.comm,
+                l.api,
+                l.count,
+                human_bytes(l.bytes),
+                crate::correlate::mem_name(l.mem),
+                if p.exited { ", process exited" } else { "" }
+            );
+        }
+    }
+    out
 }
 
 /// The summary printed at exit.
@@ -141,17 +154,8 @@ pub fn final_summary(corr: &Correlator, drops: &Drops, wall_ns: u64) -> String {
             s.events,
             dropped
         );
-        let apis: Vec<String> = s
-            .launch_apis
-            .iter()
-            .map(|(a, n)| format!("{a} {n}"))
-            .collect();
-        let _ = writeln!(
-            out,
-            "  launches      {:>10}   {}",
-            s.launches,
-            apis.join(", ")
-        );
+        let apis: Vec<String> = s.launch_apis.iter().map(|(a, n)| format!("{a} {n}")).collect();
+        let _ = writeln!(out, "  launches      {:>10}   {}", s.launches, apis.join(", "));
         for (name, d) in [
             ("copies H→D", Direction::CpuToGpu),
             ("copies D→H", Direction::GpuToCpu),
@@ -184,9 +188,30 @@ pub fn final_summary(corr: &Correlator, drops: &Drops, wall_ns: u64) -> String {
             s.allocs.count,
             human_bytes(s.allocs.bytes),
             s.frees.count,
-            human_bytes(s.outstanding_bytes)
+            human_bytes(s.outstanding_bytes())
         );
-        let wall = (p.last_ts.saturating_sub(p.first_ts)).max(1);
+        if s.named_launches + s.unresolved_launches > 0 {
+            let top: Vec<String> = s
+                .top_kernels(5)
+                .iter()
+                .map(|(k, n)| format!("{n}× {}", shorten(k, 60)))
+                .collect();
+            let _ = writeln!(
+                out,
+                "  kernels       {:>10}   named ({} unresolved: loaded before the observer); top: {}",
+                s.named_launches,
+                s.unresolved_launches,
+                top.join("; ")
+            );
+        }
+        if s.inferred_copies + s.pinned_copies + s.pageable_copies > 0 {
+            let _ = writeln!(
+                out,
+                "  copy memory   {:>10}   pinned host, {} pageable host, {} directions inferred from allocations",
+                s.pinned_copies, s.pageable_copies, s.inferred_copies
+            );
+        }
+        let wall = p.span_ns();
         let _ = writeln!(
             out,
             "  syncs         {:>10}   {:.3} ms blocked, summed over threads ({:.1}% of its active wall time)",
@@ -201,6 +226,35 @@ pub fn final_summary(corr: &Correlator, drops: &Drops, wall_ns: u64) -> String {
             s.ioctls.ns as f64 / 1e6,
             s.ioctls_in_calls
         );
+        let mut cmds: Vec<_> = s.ioctl_by_cmd.iter().collect();
+        cmds.sort_by(|a, b| b.1.1.ns.cmp(&a.1.1.ns).then(a.0.cmp(b.0)));
+        for (cmd, (name, a)) in cmds.iter().take(3) {
+            let _ = writeln!(
+                out,
+                "    {:<34} {:>8} × {:.3} ms",
+                name.map_or_else(|| format!("{cmd:#x}"), str::to_string),
+                a.count,
+                a.ns as f64 / 1e6
+            );
+        }
+        if s.slow_calls > 0 {
+            let _ = writeln!(
+                out,
+                "  slow calls    {:>10}   copies/memsets/syncs over the threshold",
+                s.slow_calls
+            );
+        }
+        for l in p.leaks() {
+            let _ = writeln!(
+                out,
+                "  {} {:>10}   {} of {} memory from {} never freed",
+                if p.exited { "leaked     " } else { "outstanding" },
+                l.count,
+                human_bytes(l.bytes),
+                crate::correlate::mem_name(l.mem),
+                l.api
+            );
+        }
         if s.failed_calls > 0 {
             let _ = writeln!(out, "  failed calls  {:>10}", s.failed_calls);
         }
