@@ -13,13 +13,13 @@
 //! - `/dev/nvidia-uvm` takes plain numbers, not `_IOC`-encoded: `UVM_IOCTL_BASE(i)` is `i` on
 //!   Linux, plus `UVM_INITIALIZE` / `UVM_DEINITIALIZE` at 0x30000001 / 0x30000002.
 //!
-//! Source of the numbers: NVIDIA open-gpu-kernel-modules, headers as of release 590.48.01
-//! (tag commit 877fd23c) unless noted:
+//! Source of the numbers: NVIDIA open-gpu-kernel-modules, release 590.48.01 (commit 877fd23c)
+//! unless noted:
 //!
-//! - `src/nvidia/arch/nvalloc/unix/include/nv_escape.h` (RM escapes, 0x27..=0x5f);
-//! - `kernel-open/common/inc/nv-ioctl-numbers.h`, checked against 595.44.02 (commit 2c7bfb47),
-//!   whose escape list is the same as 590's (OS escapes, `NV_IOCTL_BASE` = 200);
-//! - `kernel-open/common/inc/nv-ioctl-numa.h` (`NV_ESC_NUMA_INFO`, `NV_ESC_SET_NUMA_STATUS`);
+//! - `src/nvidia/arch/nvalloc/unix/include/nv_escape.h`: RM escapes, 0x27..=0x5f;
+//! - `kernel-open/common/inc/nv-ioctl-numbers.h`: OS escapes at `NV_IOCTL_BASE` (200) + n,
+//!   read at 595.44.02 (commit 2c7bfb47), same list as 550.40.07;
+//! - `kernel-open/common/inc/nv-ioctl-numa.h`: `NV_ESC_NUMA_INFO` and `NV_ESC_SET_NUMA_STATUS`;
 //! - `kernel-open/nvidia-uvm/uvm_ioctl.h` and `kernel-open/nvidia-uvm/uvm_linux_ioctl.h`.
 //!
 //! `NV_ESC_IOCTL_XFER_CMD` wraps another escape whose number sits in its argument struct;
@@ -79,6 +79,9 @@ const NV_ESCAPES: &[(u8, &str)] = &[
 
 /// `/dev/nvidia-uvm` commands, sorted by number for binary search.
 ///
+/// Numbers retired from uvm_ioctl.h stay in, marked, so a trace from an older driver still
+/// gets names; none of them has been given to another command.
+///
 /// Left out: `UVM_REGION_SET_BACKING` (21) and `UVM_REGION_UNSET_BACKING` (22), which
 /// uvm_ioctl.h defines only for Windows, and the `UVM_TEST_*` commands of uvm_test_ioctl.h,
 /// which only a driver built with its test ioctls enabled accepts.
@@ -91,10 +94,10 @@ const UVM_IOCTLS: &[(u32, &str)] = &[
     (5, "UVM_REGION_SET_STREAM"),
     (6, "UVM_SET_STREAM_RUNNING"),
     (7, "UVM_SET_STREAM_STOPPED"),
-    // Retired: in 575.51.02, gone by 590.48.01. Never reused.
+    // Retired: in 575.51.02, not in 590.48.01.
     (9, "UVM_RUN_TEST"),
     (10, "UVM_ADD_SESSION"),
-    // Retired: in 575.51.02, gone by 590.48.01. Never reused.
+    // Retired: in 575.51.02, not in 590.48.01.
     (11, "UVM_REMOVE_SESSION"),
     (12, "UVM_ENABLE_COUNTERS"),
     (13, "UVM_MAP_COUNTER"),
@@ -102,7 +105,7 @@ const UVM_IOCTLS: &[(u32, &str)] = &[
     (15, "UVM_REMOVE_EVENT_QUEUE"),
     (16, "UVM_MAP_EVENT_QUEUE"),
     (17, "UVM_EVENT_CTRL"),
-    // Retired: in 575.51.02, gone by 590.48.01. Never reused.
+    // Retired, both: in 575.51.02, not in 590.48.01.
     (18, "UVM_REGISTER_MPS_SERVER"),
     (19, "UVM_REGISTER_MPS_CLIENT"),
     (20, "UVM_GET_GPU_UUID_TABLE"),
@@ -118,7 +121,7 @@ const UVM_IOCTLS: &[(u32, &str)] = &[
     (33, "UVM_MAP_EXTERNAL_ALLOCATION"),
     (34, "UVM_FREE"),
     (35, "UVM_MEM_MAP"),
-    // Retired: in 515.43.04, gone by 575.51.02. Never reused.
+    // Retired: in 515.43.04, not in 575.51.02 or later.
     (36, "UVM_DEBUG_ACCESS_MEMORY"),
     (37, "UVM_REGISTER_GPU"),
     (38, "UVM_UNREGISTER_GPU"),
@@ -190,7 +193,10 @@ pub fn uvm_name(cmd: u32) -> Option<&'static str> {
 
 /// Name of an ioctl issued on `/dev/nvidia-uvm` when `uvm_fd`, else on an nvidia RM device.
 pub fn name(cmd: u32, uvm_fd: bool) -> Option<&'static str> {
-    if uvm_fd { uvm_name(cmd) } else { nv_escape_name(cmd) }
+    if uvm_fd {
+        return uvm_name(cmd);
+    }
+    nv_escape_name(cmd)
 }
 
 #[cfg(test)]
@@ -226,11 +232,11 @@ mod tests {
 
     #[test]
     fn os_escapes() {
-        // NV_IOCTL_BASE + 0, + 1, + 15, + 18.
+        // NV_IOCTL_BASE + 0, + 1, + 14, + 15.
         assert_eq!(nv_escape_name(0xc000_46c8), Some("NV_ESC_CARD_INFO"));
         assert_eq!(nv_escape_name(0xc004_46c9), Some("NV_ESC_REGISTER_FD"));
+        assert_eq!(nv_escape_name(0xc008_46d6), Some("NV_ESC_SYS_PARAMS"));
         assert_eq!(nv_escape_name(0xc000_46d7), Some("NV_ESC_NUMA_INFO"));
-        assert_eq!(nv_escape_name(0xc008_46da), Some("NV_ESC_WAIT_OPEN_COMPLETE"));
     }
 
     #[test]

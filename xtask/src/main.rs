@@ -310,9 +310,11 @@ fn bench(calls: u64) -> Result<()> {
 fn bundle() -> Result<()> {
     setup()?;
     let bin = build(true)?;
+    status(cargo().args(["build", "--release", "--package", "cuda-ground-truth"]))?;
     let dir = root().join(".gpu-bundle");
     std::fs::create_dir_all(&dir)?;
     std::fs::copy(&bin, dir.join("gpu-observer"))?;
+    std::fs::copy(root().join("target/release/cuda-ground-truth"), dir.join("cuda-ground-truth"))?;
     let commit = output(
         Command::new("git")
             .args(["rev-parse", "--short", "HEAD"])

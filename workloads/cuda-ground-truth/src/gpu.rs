@@ -214,6 +214,10 @@ impl<D: Driver> Gpu<D> {
         cuda(sym::MODULE_UNLOAD, unsafe { self.drv.module_unload(m.0) })
     }
 
+    pub fn stream_handle(s: &Stream) -> Handle {
+        s.0
+    }
+
     pub fn create_stream(&mut self) -> GtResult<Stream> {
         self.note(sym::STREAM_CREATE);
         Ok(Stream(cuda(sym::STREAM_CREATE, self.drv.stream_create(0))?))

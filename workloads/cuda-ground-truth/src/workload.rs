@@ -60,6 +60,7 @@ pub struct Outcome {
     pub h9: Check,
     pub invalid_ptx_result: Option<CuResult>,
     pub module_handle: Option<usize>,
+    pub stream_handle: Option<usize>,
     /// The step that stopped the sequence, if any.
     pub error: Option<String>,
     pub iterations_done: u32,
@@ -165,6 +166,7 @@ fn steps<D: Driver>(gpu: &mut Gpu<D>, ctx: Context, cfg: &Config, out: &mut Outc
 
     // Step 4: stream, buffers.
     let stream = gpu.create_stream()?;
+    out.stream_handle = Some(Gpu::<D>::stream_handle(&stream));
     let bytes = cfg.bytes();
     let n = cfg.elems;
     let grid = cfg.grid();
