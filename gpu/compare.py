@@ -8,10 +8,12 @@ usage:
 
 W.json is written by one of the workloads in gpu/workloads/:
   copies_kernels: {"pid","loop_start_ns","loop_end_ns","launches","htod","dtoh",
-                   "htod_bytes","dtoh_bytes","stream_syncs",...}
+                   "htod_bytes","dtoh_bytes","stream_syncs","kernel_name",...}
   torch_loop:     {"pid","phaseA":{"start_ns","end_ns","launches","htod","dtoh",...},
                    "phaseB":{"start_ns","end_ns","profiler_kernels",
-                             "profiler_memcpy","profiler_memset",...}}
+                             "profiler_memcpy","profiler_memset",
+                             "profiler_kernel_names",...}}
+(cuda-ground-truth's JSON has its own comparer: compare_ground_truth.py.)
 
 Selection: events whose "pid" equals the workload's pid (if none carry that pid,
 e.g. because of a PID namespace, the pid with the most events among those whose
@@ -23,6 +25,16 @@ counts and bytes (exact windows), and for the profiler window launches vs
 CUPTI kernels and copies vs CUPTI memcpys.  Stream syncs, memsets and the
 per-thread-default-stream (_ptsz) API check are reported but not fatal.
 
+Kernel names (observer `kernel`: demangled, null when unresolved):
+  copies_kernels  every launch named, and named W.json's "kernel_name" (strict);
+  phase A         named share and names vs the profiler self-check's (informational);
+  phase B         >= 99% of launches named, and >= 99% of launches whose name equals a
+                  profiler kernel name ("profiler_kernel_names", a multiset), compared
+                  after whitespace normalisation (both strict).  Unmatched names are
+                  listed with the point where each departs from the nearest profiler
+                  name, and an informational match blind to known demangler-style
+                  differences (integer literals, nested return types) is shown.
+
 Exit status: 0 all strict checks pass, 1 a strict check failed, 2 bad input.
 """
 
@@ -30,6 +42,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import sys
 from collections import Counter, defaultdict
 
@@ -40,6 +53,95 @@ LAUNCH_APIS = {
 }
 HTOD = "cpu_to_gpu"
 DTOH = "gpu_to_cpu"
+# Kernel-name coverage target (percent of launches) for the profiler window.
+NAME_TARGET = 99.0
+
+
+def norm_name(s):
+    """A kernel name with whitespace normalised: runs collapsed, none around punctuation
+    (so `foo<int, float>(int*)` and `foo<int,float>(int *)` compare equal)."""
+    s = re.sub(r"\s+", " ", str(s)).strip()
+    return re.sub(r"\s*([<>(),*&\[\]])\s*", r"\1", s)
+
+
+_LITERAL_CAST = re.compile(
+    r"\((?:unsigned |signed )?(?:char|short|int|long long|long|__int128)\)(-?\d+)")
+_LITERAL_SUFFIX = re.compile(r"\b(-?\d+)(?:ull|ul|ll|u|l)\b")
+_NESTED_VOID = re.compile(r"(?<=[<,(])void(?=[A-Za-z_(])")
+
+
+def style_name(s):
+    """norm_name, and also blind to two known differences between demanglers (for an
+    informational match only): integer template literals, `(unsigned long)1` (cpp_demangle)
+    vs `1ul` (c++filt, CUPTI); and the return type of an enclosing function template printed
+    before a nested name or a function-template argument (`, void ns::f<...>` vs `, ns::f<...>`)."""
+    s = norm_name(s)
+    s = _LITERAL_CAST.sub(r"\1", s)
+    s = _LITERAL_SUFFIX.sub(r"\1", s)
+    return _NESTED_VOID.sub("", s).replace("<void ", "<").replace(",void ", ",")
+
+
+def divergence(a, b, ctx=28):
+    """Where two names part, after normalisation: the common text just before, then each."""
+    na, nb = norm_name(a), norm_name(b)
+    i = 0
+    while i < min(len(na), len(nb)) and na[i] == nb[i]:
+        i += 1
+    if i >= max(len(na), len(nb)):
+        return "identical after normalisation"
+    return (f"after `…{na[max(0, i - ctx):i]}` observer has `{na[i:i + ctx]}…`, "
+            f"profiler `{nb[i:i + ctx]}…`")
+
+
+def match_names(observed, reference, key=None):
+    """Multiset match of observer kernel names against reference names (normalised by
+    `key`, default norm_name). Returns (matched, unmatched observed Counter, unmatched
+    reference Counter)."""
+    key = key or norm_name
+    left = Counter()
+    for name, n in reference.items():
+        left[key(name)] += n
+    shown = {}
+    for name in reference:
+        shown.setdefault(key(name), name)
+    un_obs = Counter()
+    matched = 0
+    for name, n in observed.items():
+        k = key(name)
+        m = min(n, left.get(k, 0))
+        matched += m
+        left[k] -= m
+        if n > m:
+            un_obs[name] += n - m
+    un_ref = Counter({shown[k]: v for k, v in left.items() if v > 0})
+    return matched, un_obs, un_ref
+
+
+class Row:
+    """One check: exact (expected == captured) unless `ok` is given (threshold checks)."""
+
+    def __init__(self, metric, expected, captured, strict, ok=None, show_pct=True):
+        self.metric = metric
+        self.expected = expected
+        self.captured = captured
+        self.strict = strict
+        self.ok = (expected == captured) if ok is None else bool(ok)
+        self.show_pct = show_pct
+
+    def pct(self):
+        return pct(self.expected, self.captured) if self.show_pct else "n/a"
+
+
+def common_prefix(a, b):
+    a, b = norm_name(a), norm_name(b)
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def share(n, total):
+    return 100.0 * n / total if total else 0.0
 
 
 def eprint(*a):
@@ -99,6 +201,9 @@ def windows_from_workload(w):
         exp = {k: w.get(k) for k in ("launches", "htod", "dtoh", "htod_bytes", "dtoh_bytes",
                                      "stream_syncs", "device_syncs")}
         exp["ptds"] = bool(w.get("per_thread_default_stream", False))
+        # The kernel's demangled name: every launch must carry it (strict).
+        exp["kernel_name"] = w.get("kernel_name")
+        exp["names_strict"] = True
         wins.append(Window("loop", "measured loop", as_int(w["loop_start_ns"]),
                            as_int(w["loop_end_ns"]), exp, "exact"))
     if "phaseA" in w:
@@ -107,13 +212,19 @@ def windows_from_workload(w):
                                      "stream_syncs")}
         exp["ptds"] = False
         exp["selfcheck"] = a.get("profiler_selfcheck")
+        sc_ = a.get("profiler_selfcheck")
+        if isinstance(sc_, dict) and isinstance(sc_.get("kernel_names"), dict):
+            # Names the profiler gave the same per-iteration kernel (outside the window).
+            exp["name_set"] = sorted(sc_["kernel_names"])
+        exp["names_strict"] = False
         wins.append(Window("phaseA", "phase A (exact by construction)", as_int(a["start_ns"]),
                            as_int(a["end_ns"]), exp, "exact"))
     if "phaseB" in w:
         b = w["phaseB"]
         exp = {"launches": b.get("profiler_kernels"), "copies": b.get("profiler_memcpy"),
                "memsets": b.get("profiler_memset"),
-               "method": b.get("profiler_count_method", "?")}
+               "method": b.get("profiler_count_method", "?"),
+               "kernel_names": b.get("profiler_kernel_names")}
         wins.append(Window("phaseB", "phase B (training loop vs torch.profiler/CUPTI)",
                            as_int(b["start_ns"]), as_int(b["end_ns"]), exp, "profiler"))
     for win in wins:
@@ -131,6 +242,9 @@ class Stats:
         self.launches = 0
         self.launch_apis = Counter()
         self.launch_kernels = Counter()
+        self.kernel_names = Counter()  # non-null `kernel` of kernel launches
+        self.named = 0
+        self.graph_launches = 0
         self.launch_streams = Counter()
         self.memcpy_dir = Counter()
         self.memcpy_bytes = Counter()
@@ -149,7 +263,13 @@ class Stats:
         if typ == "launch":
             self.launches += 1
             self.launch_apis[api] += 1
-            name = ev.get("kernel", ev.get("function"))
+            kernel = ev.get("kernel")
+            if api.startswith("cuGraphLaunch"):
+                self.graph_launches += 1  # graphs carry no kernel name
+            elif kernel is not None:
+                self.named += 1
+                self.kernel_names[str(kernel)] += 1
+            name = kernel if kernel is not None else ev.get("function")
             self.launch_kernels[str(name) if name is not None else "?"] += 1
             self.launch_streams[str(ev.get("stream"))] += 1
         elif typ == "memcpy":
@@ -247,35 +367,92 @@ def resolve_pid(want_pid, comm_hint, sc, notes):
 # ---------------------------------------------------------------- checks
 
 
-def build_checks(win, st):
-    """Return list of (metric, expected, captured, strict)."""
+def name_rows(win, st, info):
+    """Kernel-name coverage rows; `info` collects the details for the report."""
+    e = win.expected
+    rows = []
+    nameable = st.launches - st.graph_launches
+    named_pct = share(st.named, nameable)
+    info["named"] = st.named
+    info["nameable_launches"] = nameable
+    info["named_pct"] = round(named_pct, 2)
+    info["names"] = dict(st.kernel_names.most_common(12))
+    if win.kind == "profiler":
+        ref = e.get("kernel_names")
+        rows.append(Row(f"launches with a kernel name (target >= {NAME_TARGET:g}%)",
+                        f">= {NAME_TARGET:g}%", f"{named_pct:.2f}% ({st.named}/{nameable})",
+                        True, ok=nameable > 0 and named_pct >= NAME_TARGET, show_pct=False))
+        if isinstance(ref, dict) and ref:
+            matched, un_obs, un_ref = match_names(st.kernel_names, ref)
+            m_pct = share(matched, nameable)
+            info.update(matched=matched, match_pct=round(m_pct, 2),
+                        unmatched_observer=dict(un_obs.most_common(8)),
+                        unmatched_profiler=dict(un_ref.most_common(8)))
+            info["divergences"] = [
+                (o, divergence(o, max(un_ref, key=lambda p: common_prefix(o, p))))
+                for o, _ in un_obs.most_common(5) if un_ref]
+            rows.append(Row(f"launch names = profiler kernel names (target >= {NAME_TARGET:g}%)",
+                            f">= {NAME_TARGET:g}%", f"{m_pct:.2f}% ({matched}/{nameable})",
+                            True, ok=nameable > 0 and m_pct >= NAME_TARGET, show_pct=False))
+            s_matched, _, _ = match_names(st.kernel_names, ref, key=style_name)
+            s_pct = share(s_matched, nameable)
+            info["style_match_pct"] = round(s_pct, 2)
+            rows.append(Row("  same, blind to demangler style (literals, nested return types)",
+                            f">= {NAME_TARGET:g}%", f"{s_pct:.2f}% ({s_matched}/{nameable})",
+                            False, ok=nameable > 0 and s_pct >= NAME_TARGET, show_pct=False))
+        else:
+            info["match_pct"] = None
+            rows.append(Row("launch names = profiler kernel names", "profiler names",
+                            "not recorded by the workload", False, ok=False, show_pct=False))
+        return rows
+    strict = bool(e.get("names_strict"))
+    rows.append(Row("launches with a kernel name", nameable, st.named, strict))
+    want = e.get("kernel_name")
+    if want:
+        same = sum(n for k, n in st.kernel_names.items() if norm_name(k) == norm_name(want))
+        info["expected_name"] = want
+        rows.append(Row(f"launches named `{want}`", nameable, same, strict))
+    elif e.get("name_set"):
+        info["profiler_names"] = e["name_set"]
+        for label, key in (("launch names seen by the profiler self-check", norm_name),
+                           ("  same, blind to demangler style", style_name)):
+            ref = {key(k) for k in e["name_set"]}
+            same = sum(n for k, n in st.kernel_names.items() if key(k) in ref)
+            rows.append(Row(label, nameable, same, False))
+    return rows
+
+
+def build_checks(win, st, info=None):
+    """Return list of Row (metric, expected, captured, strict, ok)."""
+    info = {} if info is None else info
     e = win.expected
     rows = []
     if win.kind == "exact":
-        rows.append(("kernel launches", as_int(e.get("launches")), st.launches, True))
-        rows.append(("HtoD copies", as_int(e.get("htod")), st.memcpy_dir[HTOD], True))
-        rows.append(("DtoH copies", as_int(e.get("dtoh")), st.memcpy_dir[DTOH], True))
+        rows.append(Row("kernel launches", as_int(e.get("launches")), st.launches, True))
+        rows.append(Row("HtoD copies", as_int(e.get("htod")), st.memcpy_dir[HTOD], True))
+        rows.append(Row("DtoH copies", as_int(e.get("dtoh")), st.memcpy_dir[DTOH], True))
         if e.get("htod_bytes") is not None:
-            rows.append(("HtoD bytes", as_int(e["htod_bytes"]), st.memcpy_bytes[HTOD], True))
+            rows.append(Row("HtoD bytes", as_int(e["htod_bytes"]), st.memcpy_bytes[HTOD], True))
         if e.get("dtoh_bytes") is not None:
-            rows.append(("DtoH bytes", as_int(e["dtoh_bytes"]), st.memcpy_bytes[DTOH], True))
+            rows.append(Row("DtoH bytes", as_int(e["dtoh_bytes"]), st.memcpy_bytes[DTOH], True))
         other = st.copies - st.memcpy_dir[HTOD] - st.memcpy_dir[DTOH]
-        rows.append(("other copies (DtoD/unknown)", 0, other, False))
+        rows.append(Row("other copies (DtoD/unknown)", 0, other, False))
         if e.get("stream_syncs") is not None:
             ss = sum(n for a, n in st.sync_apis.items() if a.startswith("cuStreamSynchronize"))
-            rows.append(("cuStreamSynchronize*", as_int(e["stream_syncs"]), ss, False))
+            rows.append(Row("cuStreamSynchronize*", as_int(e["stream_syncs"]), ss, False))
         if e.get("device_syncs") is not None:
             ds = sum(n for a, n in st.sync_apis.items() if a.startswith("cuCtxSynchronize"))
-            rows.append(("cuCtxSynchronize*", as_int(e["device_syncs"]), ds, False))
+            rows.append(Row("cuCtxSynchronize*", as_int(e["device_syncs"]), ds, False))
         if e.get("ptds"):
             pt = sum(n for a, n in st.launch_apis.items() if a.endswith("_ptsz"))
-            rows.append(("launches via *_ptsz API", as_int(e.get("launches")), pt, False))
+            rows.append(Row("launches via *_ptsz API", as_int(e.get("launches")), pt, False))
     else:
-        rows.append(("kernel launches vs CUPTI kernels", as_int(e.get("launches")),
-                     st.launches, True))
-        rows.append(("memcpy (all directions) vs CUPTI memcpy", as_int(e.get("copies")),
-                     st.copies, True))
-        rows.append(("memset vs CUPTI memset", as_int(e.get("memsets")), st.memsets, False))
+        rows.append(Row("kernel launches vs CUPTI kernels", as_int(e.get("launches")),
+                        st.launches, True))
+        rows.append(Row("memcpy (all directions) vs CUPTI memcpy", as_int(e.get("copies")),
+                        st.copies, True))
+        rows.append(Row("memset vs CUPTI memset", as_int(e.get("memsets")), st.memsets, False))
+    rows.extend(name_rows(win, st, info))
     return rows
 
 
@@ -295,6 +472,29 @@ def short(s, n=90):
 
 def top_items(counter, n=6):
     return ", ".join(f"`{short(k)}` ({v})" for k, v in counter.most_common(n)) or "none"
+
+
+def describe_names(info):
+    """Human lines about kernel names: what was seen, and what did not match."""
+    out = []
+    if info.get("expected_name"):
+        out.append(f"expected kernel name: `{info['expected_name']}`")
+    if info.get("names"):
+        out.append("kernel names (observer): " + ", ".join(
+            f"`{short(k, 100)}` ({v})" for k, v in list(info["names"].items())[:4]))
+    if info.get("match_pct") is not None:
+        out.append(f"names matching the profiler: {info.get('matched')}/"
+                   f"{info.get('nameable_launches')} ({info['match_pct']}%); blind to "
+                   f"demangler style: {info.get('style_match_pct')}%")
+        for o, d in info.get("divergences") or []:
+            out.append(f"differs: `{short(o, 60)}`: {d}")
+        for label, key in (("observer names not among the profiler's", "unmatched_observer"),
+                           ("profiler names left unmatched", "unmatched_profiler")):
+            items = info.get(key) or {}
+            if items:
+                out.append(f"{label}: " + "; ".join(
+                    f"`{short(k, 160)}` ({v})" for k, v in list(items.items())[:5]))
+    return out
 
 
 def main():
@@ -354,15 +554,17 @@ def main():
         st = Stats()
         for ev in sc["in_win"][i].get(pid, []):
             st.add(ev)
-        rows = build_checks(win, st)
-        ok = all(exp == cap for (_, exp, cap, strict) in rows if strict)
+        names_info = {}
+        rows = build_checks(win, st, names_info)
+        ok = all(r.ok for r in rows if r.strict)
         overall_ok = overall_ok and ok
         dur_ms = (win.end - win.start) / 1e6
         status = "PASS" if ok else "FAIL"
         table_rows = []
-        for metric, exp, cap, strict in rows:
-            mark = "ok" if exp == cap else ("**MISMATCH**" if strict else "differs (info)")
-            table_rows.append((metric, "?" if exp is None else exp, cap, pct(exp, cap), mark))
+        for r in rows:
+            mark = "ok" if r.ok else ("**MISMATCH**" if r.strict else "differs (info)")
+            table_rows.append((r.metric, "?" if r.expected is None else r.expected, r.captured,
+                               r.pct(), mark))
         md.append(f"#### {win.label}: **{status}**")
         md.append("")
         extra = f"; expected counts from `{win.expected.get('method')}`" if win.kind == "profiler" else ""
@@ -381,6 +583,8 @@ def main():
         md.append(f"- launch APIs: {top_items(st.launch_apis)}")
         md.append(f"- launch streams: {top_items(st.launch_streams, 4)}")
         md.append(f"- kernels: {top_items(st.launch_kernels, 5)}")
+        name_lines = describe_names(names_info)
+        md.extend(f"- {x}" for x in name_lines)
         if st.memcpy_dir_api:
             md.append("- memcpy (direction/api): " + ", ".join(
                 f"{d} `{api}` ({n})" for (d, api), n in st.memcpy_dir_api.most_common(8)))
@@ -401,18 +605,20 @@ def main():
         md.append("")
 
         con.append(f"-- {win.key} [{status}] window {dur_ms:.1f} ms")
-        for metric, exp, cap, strict in rows:
-            flag = "" if exp == cap else ("  <-- MISMATCH" if strict else "  (info)")
-            con.append(f"   {metric:<42} expected {str(exp):>9}  captured {cap:>9}  "
-                       f"{pct(exp, cap):>7}{flag}")
+        for r in rows:
+            flag = "" if r.ok else ("  <-- MISMATCH" if r.strict else "  (info)")
+            con.append(f"   {r.metric:<42} expected {str(r.expected):>9}  captured "
+                       f"{str(r.captured):>9}  {r.pct():>7}{flag}")
+        con.extend(f"   {x}" for x in name_lines)
         con.append("   per-API in window: " + ", ".join(
             f"{t}/{api}={n}" for (t, api), n in st.by_type_api.most_common(12)))
         if selfcheck_line:
             con.append(f"   {selfcheck_line}")
         result["windows"].append({
             "key": win.key, "status": status, "duration_ms": dur_ms,
-            "checks": [{"metric": m, "expected": e, "captured": c, "strict": s}
-                       for m, e, c, s in rows],
+            "checks": [{"metric": r.metric, "expected": r.expected, "captured": r.captured,
+                        "strict": r.strict, "ok": r.ok} for r in rows],
+            "kernel_names": names_info,
             "per_api": {f"{t}/{api}": n for (t, api), n in st.by_type_api.items()},
             "launch_apis": dict(st.launch_apis),
         })

@@ -2,8 +2,9 @@
 # Shared helpers for gpu/validate.sh and gpu/bench.sh (sourced, not executed).
 #
 # Provides: log/warn/die, require_root, find_nvcc, gpu_sm_arch, resolve_observer,
-# start_observer/stop_observer (background observer lifecycle; OBS_PID, OBS_RC),
-# and install_traps (the observer is always stopped on exit/INT/TERM).
+# resolve_exe, wait_for_line, start_observer/stop_observer (background observer
+# lifecycle; OBS_PID, OBS_RC), and install_traps (the observer is always stopped on
+# exit/INT/TERM).
 
 READY_TIMEOUT=${READY_TIMEOUT:-60}   # seconds to wait for "gpu-observer: ready"
 STOP_TIMEOUT=${STOP_TIMEOUT:-30}     # seconds to wait after SIGINT
@@ -85,6 +86,38 @@ resolve_observer() {
     [[ -x $OBSERVER ]] || chmod +x "$OBSERVER" 2>/dev/null || true
     [[ -x $OBSERVER ]] || die "observer binary is not executable: $OBSERVER"
     export OBSERVER
+}
+
+# resolve_exe PATH REPO_ROOT: echo PATH made absolute (a relative path is tried
+# against $PWD, then REPO_ROOT), or nothing if no such executable file.
+resolve_exe() {
+    local p=$1 root=$2 c
+    if [[ $p == /* ]]; then
+        c=$p
+    elif [[ -e $PWD/$p ]]; then
+        c=$PWD/$p
+    else
+        c=$root/$p
+    fi
+    [[ -f $c ]] || return 0
+    [[ -x $c ]] || chmod +x "$c" 2>/dev/null || true
+    [[ -x $c ]] && echo "$c"
+    return 0
+}
+
+# wait_for_line FILE FIXED-STRING TIMEOUT_S [PID]: 0 once FILE contains the string;
+# 1 after TIMEOUT_S seconds, or as soon as PID (if given) is no longer alive.
+wait_for_line() {
+    local file=$1 str=$2 timeout=$3 pid=${4:-} i
+    for ((i = 0; i < timeout * 10; i++)); do
+        grep -qF -- "$str" "$file" 2>/dev/null && return 0
+        if [[ -n $pid ]] && ! proc_alive "$pid"; then
+            grep -qF -- "$str" "$file" 2>/dev/null && return 0
+            return 1
+        fi
+        sleep 0.1
+    done
+    return 1
 }
 
 # True if pid exists and is not a zombie (a finished-but-unreaped child of

@@ -120,6 +120,19 @@ def check_value(win, prefix):
     return None
 
 
+def names_cell(win):
+    """Kernel-name coverage of a window: named launches, and the profiler match if any."""
+    parts = []
+    c = check_value(win, "launches with a kernel name")
+    if c:
+        cap, exp = c["captured"], c["expected"]
+        parts.append(f"named {cap}" if isinstance(cap, str) else f"named {cap}/{exp}")
+    m = check_value(win, "launch names = profiler")
+    if m and isinstance(m.get("captured"), str):
+        parts.append(f"= profiler {m['captured']}")
+    return "; ".join(parts) or "-"
+
+
 def cmd_assemble(a):
     env = load_json(a.env) or {}
     lines = ["# gpu-observer validation on a real GPU", ""]
@@ -158,14 +171,14 @@ def cmd_assemble(a):
 
     lines.append("## Summary")
     lines.append("")
-    lines.append("| workload | window | result | launches exp / cap | copies exp / cap |")
-    lines.append("|---|---|---|---:|---:|")
+    lines.append("| workload | window | result | launches exp / cap | copies exp / cap | kernel names |")
+    lines.append("|---|---|---|---:|---:|---|")
     any_fail = False
     for name, res in results:
         if res is None:
             any_fail = True
             why = statuses.get(name, "NOT RUN / ERROR")
-            lines.append(f"| {name} | - | **{why}** (see `{name}.log`, `{name}.err`) | | |")
+            lines.append(f"| {name} | - | **{why}** (see `{name}.log`, `{name}.err`) | | | |")
             continue
         for win in res.get("windows", []):
             st = win.get("status", "?")
@@ -182,7 +195,8 @@ def cmd_assemble(a):
                           else "?")
             launches = f"{lc['expected']} / {lc['captured']}" if lc else "?"
             lines.append(f"| {res.get('title', name)} | {win['key']} | "
-                         f"{'PASS' if st == 'PASS' else '**' + st + '**'} | {launches} | {copies} |")
+                         f"{'PASS' if st == 'PASS' else '**' + st + '**'} | {launches} | {copies} | "
+                         f"{names_cell(win)} |")
     lines.append("")
     lines.append(f"Overall: **{'FAIL' if any_fail else 'PASS'}**")
     lines.append("")
@@ -204,6 +218,16 @@ def cmd_assemble(a):
 
     lines.append("## Method")
     lines.append("")
+    lines.append("- `ground_truth` (`cuda-ground-truth`, Rust, its own driver FFI through `dlopen`): "
+                 "creates its context, waits until the observer is attached, then makes an "
+                 "exactly known set of driver calls (invalid and valid PTX `cuModuleLoadData`, "
+                 "3 `cuModuleGetFunction`, per iteration 3 `cuLaunchKernel` of named kernels "
+                 "(one C++-mangled), `cuMemcpyHtoD_v2`, `cuMemcpyDtoHAsync_v2`, 3 generic "
+                 "`cuMemcpy` (DtoD, pinned HtoD, pinned DtoH), 2 `cuStreamSynchronize`, "
+                 "`cuMemsetD32_v2`) and leaves one 4 MiB `cuMemAlloc_v2` unfreed. Strict: every "
+                 "probed API's count and bytes, every launch's kernel name, grid and stream, the "
+                 "generic copies' inferred direction and host memory, the failed call, the leak "
+                 "report, and the workload's own seed-004 checks (H1-H3, H9).")
     lines.append("- `copies_kernels` (nvcc, cudart static): per iteration one `cudaMemcpy` HtoD "
                  "(1 MiB, pinned), one `<<<>>>` launch, one `cudaMemcpyAsync` DtoH on a created "
                  "stream and one `cudaStreamSynchronize`; built once with the legacy default "
@@ -215,8 +239,11 @@ def cmd_assemble(a):
                  "expected numbers are the profiler's kernel / gpu_memcpy / gpu_memset activity "
                  "counts.")
     lines.append("- Strict checks (fail the run): launches, HtoD/DtoH counts and bytes, "
-                 "phase B launches and memcpys. Syncs, memsets and the `_ptsz` API check are "
-                 "informational.")
+                 "phase B launches and memcpys; kernel names: every `copies_kernels` launch "
+                 "carries `add_k`'s demangled name, and in phase B at least 99% of launches are "
+                 "named and at least 99% of names equal a profiler (CUPTI) kernel name, as a "
+                 "multiset, after whitespace normalisation (unmatched names are listed). Syncs, "
+                 "memsets, phase A names and the `_ptsz` API check are informational.")
     lines.append("")
     with open(a.out, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Real-GPU validation of gpu-observer: run known workloads under the observer
-# (all-process mode, JSONL) and compare captured vs expected counts.
+# (all-process mode, JSONL) and compare captured vs expected counts, kernel names,
+# copy directions and the leak report.
 #
 # usage (as root, from the repo root):
 #   OBSERVER=.gpu-bundle/gpu-observer GIT_COMMIT=$(git rev-parse HEAD) gpu/validate.sh [OUTDIR]
@@ -15,8 +16,9 @@
 # The unpacked work dir stays in $WORK_DIR (default /tmp/gpu-validate-work.*).
 # Exit 0 only if every strict check passed.
 #
-# Environment knobs: OBSERVER, GIT_COMMIT, NVCC, CUDA_ARCH (e.g. sm_90),
-# PYTHON (default python3), N_COPIES (2000), N_TORCH (500), M_TORCH (20),
+# Environment knobs: OBSERVER, GROUND_TRUTH (default: cuda-ground-truth next to the
+# observer, i.e. .gpu-bundle/cuda-ground-truth), GIT_COMMIT, NVCC, CUDA_ARCH (e.g. sm_90),
+# PYTHON (default python3), N_COPIES (2000), N_TORCH (500), M_TORCH (20), GT_ITERS (200),
 # WORKLOAD_TIMEOUT (240 s), READY_TIMEOUT (60 s), STOP_TIMEOUT (30 s),
 # KEEP_RAW=1 (do not gzip the JSONL), WORK_DIR, SKIP_TORCH=1.
 set -euo pipefail
@@ -31,6 +33,9 @@ PYTHON=${PYTHON:-python3}
 N_COPIES=${N_COPIES:-2000}
 N_TORCH=${N_TORCH:-500}
 M_TORCH=${M_TORCH:-20}
+GT_ITERS=${GT_ITERS:-200}
+GT_ATTACH_DELAY=${GT_ATTACH_DELAY:-0.5} # s between the observer's ready line and the start file
+GT_PID=""
 WORKLOAD_TIMEOUT=${WORKLOAD_TIMEOUT:-240}
 BUDGET_S=480
 
@@ -42,6 +47,10 @@ mkdir -p "$WORK"
 WORK=$(cd "$WORK" && pwd)
 [[ $WORK != "$OUTDIR" ]] || die "WORK_DIR must differ from the output dir"
 on_exit_hook() {
+    # The ground-truth workload, if an early exit left it waiting for its start file.
+    if [[ -n ${GT_PID:-} ]] && proc_alive "$GT_PID"; then
+        kill -TERM "$GT_PID" 2>/dev/null || true
+    fi
     if [[ -f $WORK/VALIDATION.md ]]; then
         cp -f "$WORK/VALIDATION.md" "$OUTDIR/VALIDATION.md"
     fi
@@ -65,6 +74,11 @@ resolve_observer "$REPO_ROOT"
 NVCC_BIN=$(find_nvcc)
 ARCH=$(gpu_sm_arch)
 log "observer: $OBSERVER"
+GT_BIN=$(resolve_exe "${GROUND_TRUTH:-$(dirname "$OBSERVER")/cuda-ground-truth}" "$REPO_ROOT")
+if [[ -z $GT_BIN && -z ${GROUND_TRUTH:-} ]]; then
+    GT_BIN=$(resolve_exe .gpu-bundle/cuda-ground-truth "$REPO_ROOT")
+fi
+log "ground truth: ${GT_BIN:-not found (set GROUND_TRUTH=/path/to/cuda-ground-truth)}"
 log "nvcc: $NVCC_BIN  arch: $ARCH"
 
 nvidia-smi >"$WORK/nvidia-smi.txt" 2>&1 || die "nvidia-smi failed: $(tail -n 3 "$WORK/nvidia-smi.txt")"
@@ -128,23 +142,14 @@ run_one() {
     timeout --signal=TERM --kill-after=10 "$WORKLOAD_TIMEOUT" "$@" "$wjson" >"$wlog" 2>&1 || rc=$?
     sleep 1
     stop_observer
-    log "workload rc=$rc, observer rc=$OBS_RC, jsonl $(wc -l 2>/dev/null <"$jsonl" || echo 0) lines"
-    tail -n 3 "$err" 2>/dev/null | sed 's/^/    observer: /' || true
-    local events=$jsonl
-    if [[ ! -s $jsonl ]]; then
-        STATUS[$name]="FAIL (no observer output)"
-    elif [[ ${KEEP_RAW:-0} != 1 ]] && command -v gzip >/dev/null 2>&1; then
-        gzip -f -1 "$jsonl" && events=$jsonl.gz
-    fi
+    finish_run "$name" "$rc"
     if ((rc != 0)); then
-        sed 's/^/    workload: /' "$wlog" | tail -n 25
         STATUS[$name]="FAIL (workload rc=$rc)"
         return 0
     fi
-    sed 's/^/    workload: /' "$wlog" | tail -n 4
     [[ -z ${STATUS[$name]:-} ]] || return 0
     local crc=0
-    "$PYTHON" "$HERE/compare.py" --workload "$wjson" --events "$events" --name "$name" \
+    "$PYTHON" "$HERE/compare.py" --workload "$wjson" --events "$EVENTS" --name "$name" \
         --title "$title" --comm-hint "$hint" \
         --section-out "$WORK/$name.section.md" --result-out "$WORK/$name.result.json" || crc=$?
     case $crc in
@@ -159,6 +164,102 @@ run_one() {
     return 0
 }
 
+# finish_run NAME WORKLOAD-RC: the observer's output after a run; sets STATUS on failure.
+# Prints the workload log tail; returns 1 if there is nothing to compare.
+finish_run() {
+    local name=$1 rc=$2
+    local jsonl="$WORK/$name.jsonl" err="$WORK/$name.err" wlog="$WORK/$name.log"
+    log "workload rc=$rc, observer rc=$OBS_RC, jsonl $(wc -l 2>/dev/null <"$jsonl" || echo 0) lines"
+    tail -n 3 "$err" 2>/dev/null | sed 's/^/    observer: /' || true
+    EVENTS=$jsonl
+    if [[ ! -s $jsonl ]]; then
+        STATUS[$name]="FAIL (no observer output)"
+    elif [[ ${KEEP_RAW:-0} != 1 ]] && command -v gzip >/dev/null 2>&1; then
+        gzip -f -1 "$jsonl" && EVENTS=$jsonl.gz
+    fi
+    if ((rc != 0)); then
+        sed 's/^/    workload: /' "$wlog" | tail -n 25
+    else
+        sed 's/^/    workload: /' "$wlog" | tail -n 4
+    fi
+}
+
+# run_ground_truth: cuda-ground-truth creates its CUDA context, then waits for a start
+# file; the observer (all processes) is started only then, so it attaches to a process
+# that is already running CUDA; once it is ready the start file is created and the
+# workload makes its known calls; then the observer is stopped and
+# compare_ground_truth.py checks every API count, bytes, kernel names, generic copy
+# directions and the leak report.
+run_ground_truth() {
+    local name=ground_truth
+    local title="cuda-ground-truth (own driver FFI via dlopen, PTX JIT; every call known)"
+    local jsonl="$WORK/$name.jsonl" err="$WORK/$name.err" wjson="$WORK/$name.json"
+    local wlog="$WORK/$name.log" go="$WORK/$name.start" rc=0
+    NAMES+=("$name")
+    rm -f "$wjson" "$jsonl.gz" "$go" "$WORK/$name.result.json" "$WORK/$name.section.md"
+    log "=== $name: $title"
+    if [[ -z $GT_BIN ]]; then
+        STATUS[$name]="SKIPPED (no cuda-ground-truth binary; set GROUND_TRUTH)"
+        return 0
+    fi
+    if ((SECONDS - _T0 > BUDGET_S)); then
+        STATUS[$name]="SKIPPED (time budget)"
+        return 0
+    fi
+    timeout --signal=TERM --kill-after=10 "$WORKLOAD_TIMEOUT" "$GT_BIN" --out "$wjson" \
+        --wait-start "$go" --wait-timeout-s "$((READY_TIMEOUT + 60))" --iters "$GT_ITERS" \
+        </dev/null >"$wlog" 2>&1 &
+    GT_PID=$!
+    if ! wait_for_line "$wlog" "cuda-ground-truth: waiting for" 60 "$GT_PID"; then
+        wait "$GT_PID" 2>/dev/null || rc=$?
+        GT_PID=""
+        sed 's/^/    workload: /' "$wlog" | tail -n 10
+        STATUS[$name]="FAIL (workload did not reach its start point, rc=$rc)"
+        return 0
+    fi
+    log "workload waiting with its context created: $(sed -n 1p "$wlog")"
+    if ! start_observer "$jsonl" "$err"; then
+        kill -TERM "$GT_PID" 2>/dev/null || true
+        wait "$GT_PID" 2>/dev/null || true
+        GT_PID=""
+        STATUS[$name]="FAIL (observer did not start)"
+        return 0
+    fi
+    sleep "$GT_ATTACH_DELAY"
+    : >"$go"
+    wait "$GT_PID" || rc=$?
+    GT_PID=""
+    sleep 1
+    stop_observer
+    finish_run "$name" "$rc"
+    case $rc in
+    0) ;;
+    1) STATUS[$name]="FAIL (workload rc=1: a seed-004 hypothesis or a driver call failed)" ;;
+    2) STATUS[$name]="FAIL (workload rc=2: no libcuda or no usable GPU)" ;;
+    3) STATUS[$name]="FAIL (workload rc=3: start file never came)" ;;
+    *) STATUS[$name]="FAIL (workload rc=$rc)" ;;
+    esac
+    # Compare whenever there is something to compare, also after a failed hypothesis.
+    [[ -s $wjson && -s $EVENTS ]] || return 0
+    local crc=0
+    "$PYTHON" "$HERE/compare_ground_truth.py" --workload "$wjson" --events "$EVENTS" \
+        --name "$name" --title "$title" --comm-hint cuda-ground-tru \
+        --api-table "$REPO_ROOT/gpu-observer-common/src/api.rs" \
+        --section-out "$WORK/$name.section.md" --result-out "$WORK/$name.result.json" || crc=$?
+    if [[ -z ${STATUS[$name]:-} ]]; then
+        case $crc in
+        0) STATUS[$name]=PASS ;;
+        1) STATUS[$name]="FAIL (ground-truth mismatch)" ;;
+        *) STATUS[$name]="FAIL (compare error rc=$crc)" ;;
+        esac
+    fi
+    if [[ ${OBS_RC:-0} != 0 && ${STATUS[$name]} == PASS ]]; then
+        STATUS[$name]="PASS (observer rc=$OBS_RC)"
+    fi
+    return 0
+}
+
+run_ground_truth
 run_one copies_kernels "copies_kernels (nvcc, cudart static, legacy default stream)" \
     copies_kernels "$BUILD_DIR/copies_kernels" "$N_COPIES"
 run_one copies_kernels_ptds "copies_kernels (nvcc, cudart static, --default-stream per-thread)" \

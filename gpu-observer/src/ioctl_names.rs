@@ -80,7 +80,7 @@ const NV_ESCAPES: &[(u8, &str)] = &[
 /// `/dev/nvidia-uvm` commands, sorted by number for binary search.
 ///
 /// Numbers retired from uvm_ioctl.h stay in, marked, so a trace from an older driver still
-/// gets names; none of them has been given to another command.
+/// gets names; up to 590.48.01 none of them has been given to another command.
 ///
 /// Left out: `UVM_REGION_SET_BACKING` (21) and `UVM_REGION_UNSET_BACKING` (22), which
 /// uvm_ioctl.h defines only for Windows, and the `UVM_TEST_*` commands of uvm_test_ioctl.h,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Quick GPU smoke test of the workloads alone (no observer, no root needed):
 # builds copies_kernels (both stream modes) and launch_bench, runs each with
-# small counts, runs torch_loop with small counts, and prints their JSON.
+# small counts, runs cuda-ground-truth (if GROUND_TRUTH or .gpu-bundle has it) and
+# torch_loop with small counts, and prints their JSON.
 # usage: bash gpu/tests/smoke_workloads.sh [OUTDIR]
 set -euo pipefail
 
@@ -31,6 +32,13 @@ timeout 120 "$B/ck" 50 "$OUTDIR/ck.json" && cat "$OUTDIR/ck.json"
 timeout 120 "$B/ck_ptds" 50 "$OUTDIR/ck_ptds.json" && cat "$OUTDIR/ck_ptds.json"
 timeout 120 "$B/lb" 20000 3 "$OUTDIR/lb.json" && cut -c1-300 "$OUTDIR/lb.json"
 log "cuda workloads ok"
+GT=$(resolve_exe "${GROUND_TRUTH:-.gpu-bundle/cuda-ground-truth}" "$(cd "$GPU/.." && pwd)")
+if [[ -n $GT ]]; then
+    timeout 120 "$GT" --iters 5 --out "$OUTDIR/gt.json" && cut -c1-400 "$OUTDIR/gt.json"
+    log "cuda-ground-truth ok"
+else
+    warn "cuda-ground-truth not found (set GROUND_TRUTH); skipped"
+fi
 timeout 300 "$PYTHON" "$GPU/workloads/torch_loop.py" --n 20 --m 3 "$OUTDIR/torch.json"
 cat "$OUTDIR/torch.json"
 log "smoke ok"

@@ -54,6 +54,12 @@ __global__ void add_k(const unsigned int* in, unsigned int* out, unsigned int k,
     if (i < n) out[i] = in[i] + k;
 }
 
+// add_k's Itanium-mangled name and its demangled form (size_t is unsigned long on
+// Linux x86-64): every launch the observer reports must carry the latter as `kernel`.
+static const char* const kKernelMangled = "_Z5add_kPKjPjjm";
+static const char* const kKernelName =
+    "add_k(unsigned int const*, unsigned int*, unsigned int, unsigned long)";
+
 static const size_t kBytes = 1u << 20;  // 1 MiB per copy
 static const size_t kElems = kBytes / sizeof(unsigned int);
 static const unsigned int kBlock = 256;
@@ -147,10 +153,12 @@ int main(int argc, char** argv) {
                  "\"loop_start_ns\":%lld,\"loop_end_ns\":%lld,\"iterations\":%ld,"
                  "\"launches\":%ld,\"htod\":%ld,\"dtoh\":%ld,"
                  "\"htod_bytes\":%lld,\"dtoh_bytes\":%lld,"
-                 "\"stream_syncs\":%ld,\"device_syncs\":1,\"bytes_per_copy\":%zu}\n",
+                 "\"stream_syncs\":%ld,\"device_syncs\":1,\"bytes_per_copy\":%zu,"
+                 "\"kernel_name\":\"%s\",\"kernel_mangled\":\"%s\"}\n",
                  static_cast<int>(getpid()), ptds, t0, t1, n, n, n, n,
                  static_cast<long long>(n) * static_cast<long long>(kBytes),
-                 static_cast<long long>(n) * static_cast<long long>(kBytes), n, kBytes);
+                 static_cast<long long>(n) * static_cast<long long>(kBytes), n, kBytes,
+                 kKernelName, kKernelMangled);
     if (std::fclose(f) != 0) {
         std::perror(out_path);
         return 1;

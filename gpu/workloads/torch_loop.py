@@ -36,12 +36,15 @@ Profiler counting method (recorded in the output as "profiler_count_method"):
               kernel, GPU user annotations skipped).
   If the trace export fails, the cross-check numbers are used.  Also recorded:
   the CUDA runtime/driver API calls the profiler saw (profiler_api_calls) and
-  how many of them were launch calls (profiler_launch_api_calls).
+  how many of them were launch calls (profiler_launch_api_calls), and the kernel names
+  (profiler_kernel_names: CUPTI's demangled name -> count; phase A's self-check records
+  its own in profiler_selfcheck.kernel_names), against which compare.py checks the
+  observer's `kernel` of each launch.
 
 Output JSON:
   {"pid", "phaseA": {"start_ns","end_ns","launches","htod","dtoh","stream_syncs"},
    "phaseB": {"start_ns","end_ns","profiler_kernels","profiler_memcpy",
-              "profiler_memset", ...diagnostics}}
+              "profiler_memset","profiler_kernel_names", ...diagnostics}}
 """
 
 import argparse
@@ -123,9 +126,10 @@ def phase_a_selfcheck(torch, one, tmpdir, k=10):
         torch.cuda.synchronize()
     path = os.path.join(tmpdir, "phaseA_check.json")
     prof.export_chrome_trace(path)
-    cats, api = count_from_trace(path)
+    cats, api, names = count_from_trace(path)
     got = {"iterations": k, "kernels": cats.get("kernel", 0), "memcpy": cats.get("gpu_memcpy", 0),
-           "memset": cats.get("gpu_memset", 0), "api_calls": dict(api.most_common(12))}
+           "memset": cats.get("gpu_memset", 0), "api_calls": dict(api.most_common(12)),
+           "kernel_names": dict(names)}
     got["consistent"] = (got["kernels"], got["memcpy"], got["memset"]) == (k, 2 * k, 0)
     if not got["consistent"]:
         print(f"torch_loop: WARN: phase A self-check under the profiler: {got} "
@@ -134,11 +138,14 @@ def phase_a_selfcheck(torch, one, tmpdir, k=10):
 
 
 def count_from_trace(path):
+    """Complete events by Kineto category, the CUDA API calls by name, and the kernel
+    names (CUPTI's demangled names, a multiset) of the "kernel" category."""
     with open(path, "r", encoding="utf-8") as f:
         trace = json.load(f)
     evs = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
     cats = Counter()
     api = Counter()
+    names = Counter()
     for e in evs:
         if not isinstance(e, dict) or e.get("ph") != "X":
             continue
@@ -146,7 +153,9 @@ def count_from_trace(path):
         cats[cat] += 1
         if cat in ("cuda_runtime", "cuda_driver"):
             api[str(e.get("name", "?"))] += 1
-    return cats, api
+        elif cat == "kernel":
+            names[str(e.get("name", "?"))] += 1
+    return cats, api, names
 
 
 def count_from_events(prof):
@@ -242,8 +251,10 @@ def phase_b(torch, m, tmpdir):
     trace_path = os.path.join(tmpdir, "phaseB_trace.json")
     try:
         prof.export_chrome_trace(trace_path)
-        cats, api = count_from_trace(trace_path)
+        cats, api, names = count_from_trace(trace_path)
         res["profiler_kernels"] = cats.get("kernel", 0)
+        # The multiset of kernel names, for the observer's name coverage (compare.py).
+        res["profiler_kernel_names"] = dict(names)
         res["profiler_memcpy"] = cats.get("gpu_memcpy", 0)
         res["profiler_memset"] = cats.get("gpu_memset", 0)
         res["profiler_count_method"] = "chrome_trace_categories(kernel,gpu_memcpy,gpu_memset)"

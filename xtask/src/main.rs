@@ -34,7 +34,8 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
     },
-    /// Set up, build, and run every test (unit and integration, real eBPF) as root, plus fmt and clippy.
+    /// Set up, build, and run every test (unit and integration, real eBPF) as root, plus fmt,
+    /// clippy and the GPU scripts' self-test.
     Test {
         /// Skip `cargo fmt --check` and clippy.
         #[arg(long)]
@@ -273,7 +274,13 @@ fn test(lint_too: bool, args: &[OsString]) -> Result<()> {
     let result = as_root(&mut t);
     let (passed, failed) = test_totals(&std::fs::read_to_string(&log).unwrap_or_default());
     println!("{passed} passed, {failed} failed");
-    result
+    result?;
+    // The GPU validation scripts run only on a GPU machine; their logic is tested here so a
+    // change to the observer's output cannot silently break them.
+    if args.is_empty() {
+        status(Command::new("bash").arg(root().join("gpu/tests/selftest.sh")))?;
+    }
+    Ok(())
 }
 
 /// Sums the `test result:` lines of every test binary.
@@ -314,7 +321,10 @@ fn bundle() -> Result<()> {
     let dir = root().join(".gpu-bundle");
     std::fs::create_dir_all(&dir)?;
     std::fs::copy(&bin, dir.join("gpu-observer"))?;
-    std::fs::copy(root().join("target/release/cuda-ground-truth"), dir.join("cuda-ground-truth"))?;
+    std::fs::copy(
+        root().join("target/release/cuda-ground-truth"),
+        dir.join("cuda-ground-truth"),
+    )?;
     let commit = output(
         Command::new("git")
             .args(["rev-parse", "--short", "HEAD"])

@@ -162,8 +162,15 @@ pub trait Driver {
 /// Why the driver library could not be used.
 #[derive(Debug)]
 pub enum LoadError {
-    Open { path: String, reason: String },
-    Symbol { path: String, symbol: &'static str, reason: String },
+    Open {
+        path: String,
+        reason: String,
+    },
+    Symbol {
+        path: String,
+        symbol: &'static str,
+        reason: String,
+    },
 }
 
 impl fmt::Display for LoadError {
@@ -175,7 +182,10 @@ impl fmt::Display for LoadError {
                  pass --libcuda PATH to use another file)"
             ),
             LoadError::Symbol { path, symbol, reason } => {
-                write!(f, "{path} lacks the driver entry point {symbol}: {reason} (driver too old, or not libcuda?)")
+                write!(
+                    f,
+                    "{path} lacks the driver entry point {symbol}: {reason} (driver too old, or not libcuda?)"
+                )
             }
         }
     }
@@ -251,7 +261,11 @@ impl LibCuda {
             reason: e.to_string(),
         })?;
         let table = Table::resolve(&lib, path)?;
-        Ok(Self { table, path: path.to_string(), _lib: lib })
+        Ok(Self {
+            table,
+            path: path.to_string(),
+            _lib: lib,
+        })
     }
 
     pub fn path(&self) -> &str {

@@ -13,8 +13,9 @@ const INVALID_PTX: CuResult = 218;
 const INVALID_HANDLE: CuResult = 400;
 const NOT_FOUND: CuResult = 500;
 
+/// How the emulator misbehaves (nothing by default).
 #[derive(Default)]
-pub struct Emu {
+pub struct Faults {
     /// This kernel computes a wrong result.
     pub wrong_kernel: Option<&'static str>,
     /// cuMemcpyDtoH_v2 flips a byte.
@@ -23,6 +24,11 @@ pub struct Emu {
     pub accept_anything: bool,
     /// The first call of this API fails with this CUresult.
     pub fail: Option<(&'static str, CuResult)>,
+}
+
+#[derive(Default)]
+pub struct Emu {
+    faults: Faults,
     calls: BTreeMap<&'static str, u64>,
     dev: BTreeMap<u64, Vec<u8>>,
     next_dev: u64,
@@ -35,6 +41,13 @@ pub struct Emu {
 }
 
 impl Emu {
+    pub fn new(faults: Faults) -> Self {
+        Self {
+            faults,
+            ..Default::default()
+        }
+    }
+
     pub fn calls(&self) -> &BTreeMap<&'static str, u64> {
         &self.calls
     }
@@ -55,7 +68,7 @@ impl Emu {
     fn enter(&mut self, api: &'static str) -> Result<(), CuResult> {
         let n = self.calls.entry(api).or_default();
         *n += 1;
-        match self.fail {
+        match self.faults.fail {
             Some((a, code)) if a == api && *n == 1 => Err(code),
             _ => Ok(()),
         }
@@ -138,7 +151,7 @@ impl Driver for Emu {
         self.enter(sym::MODULE_LOAD_DATA)?;
         let text = image.to_str().map_err(|_| INVALID_PTX)?;
         let balanced = text.matches('{').count() == text.matches('}').count();
-        if !(self.accept_anything || (text.contains(".version") && balanced)) {
+        if !(self.faults.accept_anything || (text.contains(".version") && balanced)) {
             return Err(INVALID_PTX);
         }
         let entries = text
@@ -222,7 +235,7 @@ impl Driver for Emu {
 
     unsafe fn memcpy_dtoh(&mut self, dst: *mut c_void, src: CuDevicePtr, bytes: usize) -> Result<(), CuResult> {
         self.enter(sym::MEMCPY_DTOH)?;
-        let corrupt = self.corrupt_dtoh;
+        let corrupt = self.faults.corrupt_dtoh;
         let s = self.dev_slice(src, bytes)?;
         // SAFETY: the caller guarantees `dst` is writable for `bytes` (trait contract), and
         // it cannot overlap the emulator's own device vector.
@@ -289,14 +302,13 @@ impl Driver for Emu {
         }
         let name = self.functions.get(&function).ok_or(INVALID_HANDLE)?.clone();
         let threads = (grid[0] * block[0]) as usize;
-        let wrong = self.wrong_kernel.is_some_and(|k| k == name);
-        // SAFETY (all `param` reads below): the caller passes one pointer per parameter, each
-        // to a value of the parameter's size (trait contract); the kinds follow the kernels'
-        // PTX signatures.
+        let wrong = self.faults.wrong_kernel.is_some_and(|k| k == name);
+        // SAFETY: the caller passes one pointer per parameter, each to a value of the
+        // parameter's size (trait contract); parameter 0 of every kernel is a u64 address.
         let addr: u64 = unsafe { param(params, 0)? };
         match name.as_str() {
             ptx::WRITE_VALUE => {
-                // SAFETY: see above.
+                // SAFETY: as for `addr`; write_value's parameters 1 and 2 are u32.
                 let (value, n): (u32, u32) = unsafe { (param(params, 1)?, param(params, 2)?) };
                 let n = (n as usize).min(threads);
                 let value = if wrong { value ^ 1 } else { value };
@@ -306,10 +318,10 @@ impl Driver for Emu {
             }
             ptx::ADD_ONE | ptx::SCALE_VEC => {
                 let (factor, n): (f32, u32) = if name == ptx::ADD_ONE {
-                    // SAFETY: see above.
+                    // SAFETY: as for `addr`; add_one's parameter 1 is a u32.
                     (1.0, unsafe { param(params, 1)? })
                 } else {
-                    // SAFETY: see above.
+                    // SAFETY: as for `addr`; scale_vec's parameters are f32 then u32.
                     unsafe { (param(params, 1)?, param(params, 2)?) }
                 };
                 let n = (n as usize).min(threads);

@@ -70,6 +70,7 @@ pub struct Ledger {
     bytes: BTreeMap<&'static str, u64>,
     kernels: BTreeMap<&'static str, u64>,
     copies: BTreeMap<CopyKey, u64>,
+    failed: BTreeMap<(&'static str, i32), u64>,
     live: BTreeMap<u64, Live>,
 }
 
@@ -88,14 +89,21 @@ impl Ledger {
         self.in_window = true;
     }
 
-    pub fn in_window(&self) -> bool {
-        self.in_window
-    }
-
     /// One call of `api` (failed calls count too: the observer sees them).
     pub fn call(&mut self, api: &'static str) {
-        let map = if self.in_window { &mut self.calls } else { &mut self.before };
+        let map = if self.in_window {
+            &mut self.calls
+        } else {
+            &mut self.before
+        };
         *map.entry(api).or_default() += 1;
+    }
+
+    /// A call that returned this CUresult (not CUDA_SUCCESS).
+    pub fn failed(&mut self, api: &'static str, code: i32) {
+        if self.in_window {
+            *self.failed.entry((api, code)).or_default() += 1;
+        }
     }
 
     /// Bytes a call moves, sets, allocates or frees.
@@ -155,7 +163,11 @@ impl Ledger {
     pub fn leaks(&self) -> Vec<Leak> {
         let mut by: BTreeMap<&'static str, Leak> = BTreeMap::new();
         for l in self.live.values() {
-            let e = by.entry(l.api).or_insert(Leak { api: l.api, count: 0, bytes: 0 });
+            let e = by.entry(l.api).or_insert(Leak {
+                api: l.api,
+                count: 0,
+                bytes: 0,
+            });
             e.count += 1;
             e.bytes += l.bytes;
         }
@@ -197,6 +209,9 @@ impl Ledger {
             "kernel_names": kernel_names,
             "copies": self.copies_json(false),
             "generic_copies": self.copies_json(true),
+            "failed_calls": self.failed.iter().map(|((api, code), n)| json!({
+                "api": api, "result": code, "count": n,
+            })).collect::<Vec<_>>(),
             "leaks": self.leaks().iter().map(|l| json!({
                 "api": l.api, "count": l.count, "bytes": l.bytes,
             })).collect::<Vec<_>>(),
@@ -236,15 +251,33 @@ mod tests {
         assert_eq!(l.bytes("cuMemAlloc_v2"), 96);
         assert_eq!(l.bytes("cuMemFree_v2"), 64);
         assert_eq!(l.bytes("cuMemFreeHost"), 16);
-        assert_eq!(l.leaks(), vec![Leak { api: "cuMemAlloc_v2", count: 1, bytes: 32 }]);
+        assert_eq!(
+            l.leaks(),
+            vec![Leak {
+                api: "cuMemAlloc_v2",
+                count: 1,
+                bytes: 32
+            }]
+        );
     }
 
     #[test]
     fn generic_copy_apis() {
-        for a in ["cuMemcpy", "cuMemcpyAsync", "cuMemcpy_ptds", "cuMemcpyPeer", "cuMemcpyPeerAsync_ptsz"] {
+        for a in [
+            "cuMemcpy",
+            "cuMemcpyAsync",
+            "cuMemcpy_ptds",
+            "cuMemcpyPeer",
+            "cuMemcpyPeerAsync_ptsz",
+        ] {
             assert!(is_generic_copy(a), "{a}");
         }
-        for a in ["cuMemcpyHtoD_v2", "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoD_v2", "cuMemsetD32_v2"] {
+        for a in [
+            "cuMemcpyHtoD_v2",
+            "cuMemcpyDtoHAsync_v2",
+            "cuMemcpyDtoD_v2",
+            "cuMemsetD32_v2",
+        ] {
             assert!(!is_generic_copy(a), "{a}");
         }
     }
@@ -264,14 +297,20 @@ mod tests {
             l.call("cuLaunchKernel");
             l.launch("_Z9scale_vecPffj");
         }
-        let v = l.to_json(&[("_Z9scale_vecPffj", "scale_vec(float*, float, unsigned int)"), ("unused", "unused")]);
+        let v = l.to_json(&[
+            ("_Z9scale_vecPffj", "scale_vec(float*, float, unsigned int)"),
+            ("unused", "unused"),
+        ]);
         assert_eq!(v["calls"]["cuMemcpy"], 6);
         assert_eq!(v["calls"]["cuLaunchKernel"], 3);
         assert_eq!(v["calls_before_window"]["cuInit"], 1);
         assert_eq!(v["bytes"]["cuMemcpy"], 48);
         assert_eq!(v["bytes"]["cuMemcpyHtoD_v2"], 12);
         assert_eq!(v["kernels"]["_Z9scale_vecPffj"], 3);
-        assert_eq!(v["kernel_names"]["_Z9scale_vecPffj"], "scale_vec(float*, float, unsigned int)");
+        assert_eq!(
+            v["kernel_names"]["_Z9scale_vecPffj"],
+            "scale_vec(float*, float, unsigned int)"
+        );
         assert!(v["kernel_names"].get("unused").is_none());
         let g = v["generic_copies"].as_array().unwrap();
         assert_eq!(g.len(), 2);

@@ -50,12 +50,19 @@ pub fn summary(ledger: &Ledger, out: &Outcome) -> String {
         out.iterations_done
     ));
     for (name, c) in [("H1", &out.h1), ("H2", &out.h2), ("H3", &out.h3), ("H9", &out.h9)] {
-        s.push_str(&format!("  {name} {}: {}\n", if c.pass { "PASS" } else { "FAIL" }, c.detail));
+        s.push_str(&format!(
+            "  {name} {}: {}\n",
+            if c.pass { "PASS" } else { "FAIL" },
+            c.detail
+        ));
     }
     if let Some(e) = &out.error {
         s.push_str(&format!("  stopped: {e}\n"));
     }
-    s.push_str(&format!("cuda-ground-truth: {}", if out.all_pass() { "PASS" } else { "FAIL" }));
+    s.push_str(&format!(
+        "cuda-ground-truth: {}",
+        if out.all_pass() { "PASS" } else { "FAIL" }
+    ));
     s
 }
 
@@ -103,6 +110,10 @@ mod tests {
         assert_eq!(v["leaks"], json!([{"api": "cuMemAlloc_v2", "count": 1, "bytes": 1200}]));
         assert_eq!(v["hypotheses"], json!({"H1": true, "H2": true, "H3": true, "H9": true}));
         assert_eq!(v["invalid_ptx_error"], "CUDA_ERROR_INVALID_PTX");
+        assert_eq!(
+            v["failed_calls"],
+            json!([{"api": "cuModuleLoadData", "result": 218, "count": 1}])
+        );
         assert_eq!(v["launch"]["grid"], json!([2, 1, 1]));
         assert!(v["handles"]["stream"].as_str().unwrap().starts_with("0x"));
         assert!(v["window_end_ns"].as_u64() > v["window_start_ns"].as_u64());

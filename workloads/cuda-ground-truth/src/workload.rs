@@ -17,7 +17,10 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Self { iters: 200, elems: 1 << 20 }
+        Self {
+            iters: 200,
+            elems: 1 << 20,
+        }
     }
 }
 
@@ -138,7 +141,10 @@ fn steps<D: Driver>(gpu: &mut Gpu<D>, ctx: Context, cfg: &Config, out: &mut Outc
     match gpu.load_module(ptx::INVALID_MODULE) {
         Err(code) => {
             out.invalid_ptx_result = Some(code);
-            out.h9.set(true, format!("cuModuleLoadData(invalid PTX) returned {} ({code})", error_name(code)));
+            out.h9.set(
+                true,
+                format!("cuModuleLoadData(invalid PTX) returned {} ({code})", error_name(code)),
+            );
         }
         Ok(m) => {
             out.invalid_ptx_result = Some(0);
@@ -149,19 +155,32 @@ fn steps<D: Driver>(gpu: &mut Gpu<D>, ctx: Context, cfg: &Config, out: &mut Outc
 
     // Step 3 (H1): the real module and its three kernels.
     let module = gpu.load_module(ptx::MODULE).map_err(|code| {
-        out.h1.set(false, format!("cuModuleLoadData(valid PTX) failed: {} ({code})", error_name(code)));
-        GtError::Cuda { api: crate::driver::sym::MODULE_LOAD_DATA, code }
+        out.h1.set(
+            false,
+            format!("cuModuleLoadData(valid PTX) failed: {} ({code})", error_name(code)),
+        );
+        GtError::Cuda {
+            api: crate::driver::sym::MODULE_LOAD_DATA,
+            code,
+        }
     })?;
     let handle = Gpu::<D>::module_handle(&module);
     out.module_handle = Some(handle);
     if handle == 0 {
-        out.h1.set(false, "cuModuleLoadData succeeded with a null module handle");
+        out.h1
+            .set(false, "cuModuleLoadData succeeded with a null module handle");
     }
     let write_value = gpu.get_function(&module, ptx::WRITE_VALUE)?;
     let add_one = gpu.get_function(&module, ptx::ADD_ONE)?;
     let scale_vec = gpu.get_function(&module, ptx::SCALE_VEC)?;
     if handle != 0 {
-        out.h1.set(true, format!("module {handle:#x}; functions write_value, add_one, {} resolved", ptx::SCALE_VEC));
+        out.h1.set(
+            true,
+            format!(
+                "module {handle:#x}; functions write_value, add_one, {} resolved",
+                ptx::SCALE_VEC
+            ),
+        );
     }
 
     // Step 4: stream, buffers.
@@ -183,7 +202,13 @@ fn steps<D: Driver>(gpu: &mut Gpu<D>, ctx: Context, cfg: &Config, out: &mut Outc
         let value = iter_value(iter);
         let mut iter_bad = false;
         gpu.htod(&a, &pageable)?;
-        gpu.launch(&write_value, grid, ptx::BLOCK, &stream, &[Arg::Buf(&a), Arg::U32(value), Arg::U32(n)])?;
+        gpu.launch(
+            &write_value,
+            grid,
+            ptx::BLOCK,
+            &stream,
+            &[Arg::Buf(&a), Arg::U32(value), Arg::U32(n)],
+        )?;
         gpu.dtoh_async(&mut pinned, &a, &stream)?;
         gpu.stream_synchronize(&stream)?;
         if let Some((i, k)) = mismatches(pinned.as_u32(), |_| value) {
@@ -201,7 +226,13 @@ fn steps<D: Driver>(gpu: &mut Gpu<D>, ctx: Context, cfg: &Config, out: &mut Outc
         }
         gpu.copy_pinned_to_dev(&c, &pinned)?;
         gpu.launch(&add_one, grid, ptx::BLOCK, &stream, &[Arg::Buf(&c), Arg::U32(n)])?;
-        gpu.launch(&scale_vec, grid, ptx::BLOCK, &stream, &[Arg::Buf(&c), Arg::F32(FACTOR), Arg::U32(n)])?;
+        gpu.launch(
+            &scale_vec,
+            grid,
+            ptx::BLOCK,
+            &stream,
+            &[Arg::Buf(&c), Arg::F32(FACTOR), Arg::U32(n)],
+        )?;
         gpu.stream_synchronize(&stream)?;
         gpu.copy_dev_to_pinned(&mut pinned, &c)?;
         let want = |i: usize| (float_input(iter, i) + 1.0) * FACTOR;
@@ -224,10 +255,16 @@ fn steps<D: Driver>(gpu: &mut Gpu<D>, ctx: Context, cfg: &Config, out: &mut Outc
     } else if bad_iters == 0 {
         out.h2.set(
             true,
-            format!("{} iterations: write_value and add_one+scale_vec results exact on all {n} elements", cfg.iters),
+            format!(
+                "{} iterations: write_value and add_one+scale_vec results exact on all {n} elements",
+                cfg.iters
+            ),
         );
     } else {
-        out.h2.set(false, format!("{bad_iters} of {} iterations wrong: {}", cfg.iters, bad.join("; ")));
+        out.h2.set(
+            false,
+            format!("{bad_iters} of {} iterations wrong: {}", cfg.iters, bad.join("; ")),
+        );
     }
 
     // Step 6 (H3): byte-exact round trip through A.
@@ -241,7 +278,10 @@ fn steps<D: Driver>(gpu: &mut Gpu<D>, ctx: Context, cfg: &Config, out: &mut Outc
         None => out.h3.set(true, format!("{bytes} bytes HtoD then DtoH: identical")),
         Some((i, k)) => out.h3.set(
             false,
-            format!("{k} of {bytes} bytes differ, first [{i}] = {:#04x} (want {:#04x})", back[i], pageable[i]),
+            format!(
+                "{k} of {bytes} bytes differ, first [{i}] = {:#04x} (want {:#04x})",
+                back[i], pageable[i]
+            ),
         ),
     }
 
@@ -287,7 +327,7 @@ pub fn expected_calls(iters: u64) -> Vec<(&'static str, u64)> {
 mod tests {
     use super::*;
     use crate::driver::sym;
-    use crate::emu::Emu;
+    use crate::emu::{Emu, Faults};
 
     fn fake_clock() -> u64 {
         use std::sync::atomic::{AtomicU64, Ordering};
@@ -330,8 +370,16 @@ mod tests {
         for (api, n) in expected_calls(3) {
             assert_eq!(gpu.ledger.calls(api), n, "{api}");
         }
-        assert_eq!(gpu.ledger.total_calls(), expected_calls(3).iter().map(|x| x.1).sum::<u64>());
-        for api in [sym::INIT, sym::DEVICE_GET, sym::PRIMARY_CTX_RETAIN, sym::CTX_SET_CURRENT] {
+        assert_eq!(
+            gpu.ledger.total_calls(),
+            expected_calls(3).iter().map(|x| x.1).sum::<u64>()
+        );
+        for api in [
+            sym::INIT,
+            sym::DEVICE_GET,
+            sym::PRIMARY_CTX_RETAIN,
+            sym::CTX_SET_CURRENT,
+        ] {
             assert_eq!(gpu.ledger.calls_before(api), 1, "{api}");
             assert_eq!(gpu.ledger.calls(api), 0, "{api}");
         }
@@ -363,18 +411,34 @@ mod tests {
         let g = v["generic_copies"].as_array().unwrap();
         let dirs: Vec<(&str, Option<&str>, u64)> = g
             .iter()
-            .map(|r| (r["direction"].as_str().unwrap(), r["host_memory"].as_str(), r["count"].as_u64().unwrap()))
+            .map(|r| {
+                (
+                    r["direction"].as_str().unwrap(),
+                    r["host_memory"].as_str(),
+                    r["count"].as_u64().unwrap(),
+                )
+            })
             .collect();
         assert_eq!(
             dirs,
-            vec![("cpu_to_gpu", Some("pinned"), 3), ("gpu_to_cpu", Some("pinned"), 3), ("gpu_to_gpu", None, 3)]
+            vec![
+                ("cpu_to_gpu", Some("pinned"), 3),
+                ("gpu_to_cpu", Some("pinned"), 3),
+                ("gpu_to_gpu", None, 3)
+            ]
         );
-        assert_eq!(v["kernel_names"][ptx::SCALE_VEC], "scale_vec(float*, float, unsigned int)");
+        assert_eq!(
+            v["kernel_names"][ptx::SCALE_VEC],
+            "scale_vec(float*, float, unsigned int)"
+        );
     }
 
     #[test]
     fn a_wrong_kernel_falsifies_h2_only_and_counts_stay_exact() {
-        let emu = Emu { wrong_kernel: Some(ptx::SCALE_VEC), ..Default::default() };
+        let emu = Emu::new(Faults {
+            wrong_kernel: Some(ptx::SCALE_VEC),
+            ..Default::default()
+        });
         let (gpu, out) = run(emu, SMALL);
         assert!(out.error.is_none());
         assert!(!out.h2.pass);
@@ -386,7 +450,10 @@ mod tests {
 
     #[test]
     fn a_lossy_copy_falsifies_h3() {
-        let emu = Emu { corrupt_dtoh: true, ..Default::default() };
+        let emu = Emu::new(Faults {
+            corrupt_dtoh: true,
+            ..Default::default()
+        });
         let (_, out) = run(emu, SMALL);
         assert!(!out.h3.pass, "{:?}", out.h3);
         assert!(out.h2.pass);
@@ -394,7 +461,10 @@ mod tests {
 
     #[test]
     fn accepting_invalid_ptx_falsifies_h9_and_the_module_is_unloaded() {
-        let emu = Emu { accept_anything: true, ..Default::default() };
+        let emu = Emu::new(Faults {
+            accept_anything: true,
+            ..Default::default()
+        });
         let (gpu, out) = run(emu, SMALL);
         assert!(!out.h9.pass);
         assert_eq!(gpu.ledger.calls(sym::MODULE_UNLOAD), 2);
@@ -403,20 +473,33 @@ mod tests {
 
     #[test]
     fn a_failing_call_stops_the_sequence_with_its_name() {
-        let emu = Emu { fail: Some((sym::MEM_ALLOC_HOST, 2)), ..Default::default() };
+        let emu = Emu::new(Faults {
+            fail: Some((sym::MEM_ALLOC_HOST, 2)),
+            ..Default::default()
+        });
         let (gpu, out) = run(emu, SMALL);
         let err = out.error.clone().unwrap();
-        assert!(err.contains("cuMemAllocHost_v2") && err.contains("CUDA_ERROR_OUT_OF_MEMORY"), "{err}");
+        assert!(
+            err.contains("cuMemAllocHost_v2") && err.contains("CUDA_ERROR_OUT_OF_MEMORY"),
+            "{err}"
+        );
         assert!(!out.all_pass());
         assert!(out.h1.pass && out.h9.pass);
         assert_eq!(out.h2.detail, "not reached");
         assert_eq!(gpu.ledger.calls(sym::MEM_ALLOC_HOST), 1);
+        let failed = &gpu.ledger.to_json(&[])["failed_calls"];
+        assert_eq!(failed.as_array().unwrap().len(), 2, "{failed}");
+        assert_eq!(failed[0]["api"], "cuMemAllocHost_v2");
+        assert_eq!(failed[0]["result"], 2);
         assert_eq!(gpu.ledger.calls(sym::LAUNCH_KERNEL), 0);
     }
 
     #[test]
     fn setup_reports_a_missing_device() {
-        let emu = Emu { fail: Some((sym::INIT, 100)), ..Default::default() };
+        let emu = Emu::new(Faults {
+            fail: Some((sym::INIT, 100)),
+            ..Default::default()
+        });
         let mut gpu = Gpu::new(emu);
         let err = setup(&mut gpu, 0).err().unwrap();
         assert_eq!(err.to_string(), "cuInit failed: CUDA_ERROR_NO_DEVICE (100)");
