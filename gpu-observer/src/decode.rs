@@ -1,5 +1,7 @@
 //! Decode: ring-buffer records → typed events, arguments read by the API table.
 
+pub mod demangle;
+
 use std::sync::Arc;
 
 use gpu_observer_common::{
@@ -48,10 +50,7 @@ pub struct KernelName {
 impl KernelName {
     /// Demangles C++ (Itanium) names; `extern "C"` names stay as they are.
     pub fn new(mangled: &str) -> Self {
-        let demangled = cpp_demangle::Symbol::new(mangled)
-            .ok()
-            .and_then(|s| s.demangle(&cpp_demangle::DemangleOptions::default()).ok())
-            .unwrap_or_else(|| mangled.to_string());
+        let demangled = demangle::demangle(mangled);
         Self {
             mangled: mangled.into(),
             demangled: demangled.into(),

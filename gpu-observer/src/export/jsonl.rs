@@ -289,11 +289,12 @@ impl<W: Write> JsonlWriter<W> {
         counts(&mut self.out, kinds)?;
         write!(
             self.out,
-            ",\"decode_errors\":{},\"processes\":{},\"forgotten_processes\":{},\"unattributed_drops\":{unattributed},\"threshold_us\":{},\"wall_ns\":{wall_ns}}}",
+            ",\"decode_errors\":{},\"processes\":{},\"forgotten_processes\":{},\"unattributed_drops\":{unattributed},\"threshold_us\":{},\"demangler\":\"{}\",\"wall_ns\":{wall_ns}}}",
             corr.decode_errors,
             corr.procs.len(),
             corr.forgotten,
-            self.threshold_ns / 1000
+            self.threshold_ns / 1000,
+            crate::decode::demangle::style()
         )?;
         self.out.write_all(b"\n")?;
         self.out.flush()
