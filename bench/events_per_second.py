@@ -43,7 +43,7 @@ class Workload:
 
 
 def start_agent(out):
-    p = subprocess.Popen([BIN, "--format", "jsonl", "--output", out], stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([BIN, "--format", "jsonl", "--trace-all", "--output", out], stderr=subprocess.PIPE, text=True)
     for line in p.stderr:
         if "ready" in line:
             return p

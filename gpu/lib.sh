@@ -139,7 +139,7 @@ start_observer() {
     # Job control on while forking: a non-interactive shell would otherwise
     # start the background job with SIGINT ignored.
     set -m
-    "$OBSERVER" --format jsonl --output "$jsonl" "$@" </dev/null >"${err%.err}.obs.out" 2>"$err" &
+    "$OBSERVER" --format jsonl --trace-all --output "$jsonl" "$@" </dev/null >"${err%.err}.obs.out" 2>"$err" &
     OBS_PID=$!
     set +m
     local i

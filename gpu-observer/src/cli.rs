@@ -44,8 +44,14 @@ pub struct Cli {
 
     /// Copies, memsets and syncs longer than this many microseconds are marked slow
     /// (`is_slow`, seed 003: 100 µs).
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, alias = "trace-gpu-threshold")]
     pub threshold_us: u64,
+
+    /// Write every copy, memset and sync. Default (seed adaptive sampling): only those taking
+    /// at least --threshold-us are written one by one; all are counted in the summaries, and
+    /// the total says how many were left out (`sampled_out`).
+    #[arg(long, alias = "trace-gpu-all")]
+    pub trace_all: bool,
 
     /// Attach perf-event uprobes instead of uprobe-multi links (the fallback for kernels before
     /// 6.6; for troubleshooting). They take ~85 ms each to detach at exit.

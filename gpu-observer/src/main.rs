@@ -152,6 +152,7 @@ async fn observe(cli: Cli) -> Result<()> {
         Format::Jsonl => Some(JsonlWriter::new(
             open_output(cli.output.as_deref())?,
             cli.threshold_us * 1000,
+            cli.trace_all,
         )),
         Format::Terminal => None,
     };

@@ -21,6 +21,7 @@ def main():
     ap.add_argument("--format", default="jsonl")
     ap.add_argument("--output", required=True)
     ap.add_argument("--pid", type=int, default=None)
+    ap.add_argument("--trace-all", action="store_true")
     ap.add_argument("--duration", type=float, default=None)
     a = ap.parse_args()
     mode = os.environ.get("FAKE_MODE", "normal")

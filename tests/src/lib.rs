@@ -102,13 +102,24 @@ pub struct Captured {
 }
 
 impl Agent {
-    /// Starts `gpu-observer --format jsonl --output DIR/out.jsonl ARGS` and waits for `ready`.
+    /// Starts `gpu-observer --format jsonl --output DIR/out.jsonl --trace-all ARGS` (every
+    /// event written: the tests count them) and waits for `ready`.
     pub fn start(dir: &Path, args: &[&str]) -> Agent {
+        Self::spawn(dir, args, true)
+    }
+
+    /// As [`Agent::start`], with the default adaptive sampling (no `--trace-all`).
+    pub fn start_sampled(dir: &Path, args: &[&str]) -> Agent {
+        Self::spawn(dir, args, false)
+    }
+
+    fn spawn(dir: &Path, args: &[&str], trace_all: bool) -> Agent {
         let out = dir.join("out.jsonl");
         let mut child = Command::new(observer_bin())
             .args(["--format", "jsonl", "--output"])
             .arg(&out)
             .args(["--interval-ms", "200"])
+            .args(trace_all.then_some("--trace-all"))
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -7,10 +7,20 @@ use gpu_observer_tests::*;
 use serde_json::Value;
 
 fn started(dir: &std::path::Path, env: &[(&str, &str)]) -> (Workload, Agent) {
+    started_with(dir, env, Agent::start, &[])
+}
+
+fn started_with(
+    dir: &std::path::Path,
+    env: &[(&str, &str)],
+    start: fn(&std::path::Path, &[&str]) -> Agent,
+    args: &[&str],
+) -> (Workload, Agent) {
     let lib = fresh_lib(dir, "libcuda.so.1");
     let mut w = Workload::start_with_env(env);
     w.cmd(&format!("load {}", lib.display()));
-    let agent = Agent::start(dir, &["--pid", &w.pid.to_string()]);
+    let pid = w.pid.to_string();
+    let agent = start(dir, &[&["--pid", pid.as_str()], args].concat());
     agent.wait_stderr("attached", Duration::from_secs(10));
     (w, agent)
 }
@@ -274,4 +284,49 @@ fn ioctls_are_named_and_accounted_per_call_and_command() {
     .map(|(k, n)| (k.into(), n))
     .collect();
     assert_eq!(top, want);
+}
+
+#[test]
+fn fast_calls_are_sampled_out_and_counted_unless_trace_all() {
+    let _g = serial();
+    require_root();
+    let dir = scratch("sampling");
+    // Syncs take 3 ms in the fake: always over a 2 ms threshold; copies take microseconds.
+    let (mut w, agent) = started_with(
+        &dir,
+        &[("FAKE_CUDA_SYNC_US", "3000")],
+        Agent::start_sampled,
+        &["--threshold-us", "2000"],
+    );
+    w.cmd("init");
+    let exp = dir.join("directions.jsonl");
+    w.cmd(&format!("directions {}", exp.display()));
+    let pid = w.pid;
+    w.exit();
+    let cap = agent.finish();
+    let copies = expected_calls(&exp).len() as u64;
+    let total = cap.total();
+    assert_eq!(
+        (total["trace_all"].as_bool(), total["threshold_us"].as_u64()),
+        (Some(false), Some(2000))
+    );
+    // Every sync is written (7 in this workload), none sampled out.
+    let syncs: Vec<&Value> = cap.of_type("sync").filter(|e| e["pid"] == pid).collect();
+    assert_eq!(syncs.len(), 7);
+    assert!(syncs.iter().all(|e| e["duration_ns"].as_u64().unwrap() >= 2_000_000));
+    assert_eq!(total["sampled_out"]["sync"], 0);
+    // Copies: written only when slow, the rest counted; together exactly the calls made.
+    let written: Vec<&Value> = cap.of_type("memcpy").filter(|e| e["pid"] == pid).collect();
+    assert!(written.iter().all(|e| e["duration_ns"].as_u64().unwrap() >= 2_000_000));
+    assert_eq!(
+        written.len() as u64 + total["sampled_out"]["memcpy"].as_u64().unwrap(),
+        copies
+    );
+    // The summaries still account for every call.
+    let s = cap.process_summary(pid);
+    let counted: u64 = ["cpu_to_gpu", "gpu_to_cpu", "gpu_to_gpu", "unknown"]
+        .iter()
+        .map(|d| s["memcpy"][d]["count"].as_u64().unwrap())
+        .sum();
+    assert_eq!(counted, copies, "{s}");
 }

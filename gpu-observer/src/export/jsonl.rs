@@ -17,6 +17,11 @@ use crate::{
 pub struct JsonlWriter<W: Write> {
     out: W,
     threshold_ns: u64,
+    /// Seeds 000/003 adaptive sampling: without it, copies, memsets and syncs shorter than the
+    /// threshold are counted (in the summaries) but not written one by one.
+    trace_all: bool,
+    /// Calls left out by sampling, by line type: memcpy, memset, sync.
+    sampled_out: [u64; 3],
 }
 
 /// A pointer or handle written as a JSON string `"0x…"`.
@@ -74,8 +79,29 @@ fn counts<W: Write, K: std::fmt::Display, V: std::fmt::Display>(
 }
 
 impl<W: Write> JsonlWriter<W> {
-    pub fn new(out: W, threshold_ns: u64) -> Self {
-        Self { out, threshold_ns }
+    pub fn new(out: W, threshold_ns: u64, trace_all: bool) -> Self {
+        Self {
+            out,
+            threshold_ns,
+            trace_all,
+            sampled_out: [0; 3],
+        }
+    }
+
+    /// Adaptive sampling (seed 003: export when `duration >= threshold` or trace-all): counts
+    /// and says true for a fast timed call that is not to be written.
+    fn sample_out(&mut self, family: Option<Family>, c: &Call) -> bool {
+        let slot = match family {
+            Some(Family::Memcpy) => 0,
+            Some(Family::Memset) => 1,
+            Some(Family::Sync) => 2,
+            _ => return false,
+        };
+        if self.trace_all || c.duration_ns >= self.threshold_ns {
+            return false;
+        }
+        self.sampled_out[slot] += 1;
+        true
     }
 
     pub fn into_inner(self) -> W {
@@ -127,6 +153,9 @@ impl<W: Write> JsonlWriter<W> {
             }
             Body::Call(c) => {
                 let family = ev.api.map(|a| a.family);
+                if self.sample_out(family, c) {
+                    return Ok(());
+                }
                 let ty = match family {
                     Some(Family::Memcpy) => "memcpy",
                     Some(Family::Memset) => "memset",
@@ -289,11 +318,15 @@ impl<W: Write> JsonlWriter<W> {
         counts(&mut self.out, kinds)?;
         write!(
             self.out,
-            ",\"decode_errors\":{},\"processes\":{},\"forgotten_processes\":{},\"unattributed_drops\":{unattributed},\"threshold_us\":{},\"demangler\":\"{}\",\"wall_ns\":{wall_ns}}}",
+            ",\"decode_errors\":{},\"processes\":{},\"forgotten_processes\":{},\"unattributed_drops\":{unattributed},\"threshold_us\":{},\"trace_all\":{},\"sampled_out\":{{\"memcpy\":{},\"memset\":{},\"sync\":{}}},\"demangler\":\"{}\",\"wall_ns\":{wall_ns}}}",
             corr.decode_errors,
             corr.procs.len(),
             corr.forgotten,
             self.threshold_ns / 1000,
+            self.trace_all,
+            self.sampled_out[0],
+            self.sampled_out[1],
+            self.sampled_out[2],
             crate::decode::demangle::style()
         )?;
         self.out.write_all(b"\n")?;
