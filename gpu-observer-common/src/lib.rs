@@ -5,6 +5,7 @@
 #![no_std]
 
 pub mod api;
+pub mod cupti;
 pub mod event;
 
 /// Names of the maps and programs in the eBPF object; the agent looks them up by these.
@@ -22,6 +23,8 @@ pub mod names {
     pub const PROG_IOCTL_ENTER: &str = "ioctl_enter";
     pub const PROG_IOCTL_EXIT: &str = "ioctl_exit";
     pub const PROG_PROCESS_EXIT: &str = "process_exit";
+    pub const PROG_CUPTI_BATCH: &str = "cupti_batch";
+    pub const PROG_CUPTI_NAME: &str = "cupti_name";
 }
 
 /// Slots of the `CONFIG` array map, written by the agent before attaching.

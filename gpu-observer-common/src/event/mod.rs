@@ -5,6 +5,8 @@
 
 #[cfg(feature = "user")]
 mod user;
+
+use crate::cupti::GpuRecord;
 #[cfg(feature = "user")]
 pub use user::read_record;
 
@@ -22,10 +24,14 @@ pub enum EventKind {
     ProcessExit = 4,
     /// [`NameEvent`]: a call that named a kernel handle.
     Name = 5,
+    /// [`GpuEvent`]: a record from the CUPTI injection library.
+    Gpu = 6,
+    /// [`GpuNameEvent`]: a kernel name CUPTI reported.
+    GpuName = 7,
 }
 
 impl EventKind {
-    pub const COUNT: u32 = 6;
+    pub const COUNT: u32 = 8;
 
     pub fn from_u32(v: u32) -> Option<Self> {
         Some(match v {
@@ -34,6 +40,8 @@ impl EventKind {
             3 => Self::Ioctl,
             4 => Self::ProcessExit,
             5 => Self::Name,
+            6 => Self::Gpu,
+            7 => Self::GpuName,
             _ => return None,
         })
     }
@@ -114,6 +122,24 @@ pub struct NameEvent {
     pub name: [u8; NAME_LEN],
 }
 
+/// A [`GpuRecord`] the injection library passed to its hook, as it was.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct GpuEvent {
+    pub hdr: EventHeader,
+    pub rec: GpuRecord,
+}
+
+/// A kernel name the injection library passed to its name hook.
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub struct GpuNameEvent {
+    pub hdr: EventHeader,
+    /// CUPTI's name pointer: the `name_key` of the kernel's records.
+    pub key: u64,
+    pub name: [u8; NAME_LEN],
+}
+
 /// An ioctl issued by an observed thread.
 #[derive(Clone, Copy, Debug)]
 #[repr(C)]
@@ -170,4 +196,6 @@ const _: () = {
     assert!(core::mem::size_of::<CallEvent>().is_multiple_of(8));
     assert!(core::mem::size_of::<IoctlEvent>().is_multiple_of(8));
     assert!(core::mem::size_of::<NameEvent>().is_multiple_of(8));
+    assert!(core::mem::size_of::<GpuEvent>().is_multiple_of(8));
+    assert!(core::mem::size_of::<GpuNameEvent>().is_multiple_of(8));
 };

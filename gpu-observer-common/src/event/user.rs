@@ -15,6 +15,8 @@ pod!(
     CallEvent,
     NameEvent,
     IoctlEvent,
+    GpuEvent,
+    GpuNameEvent,
     Inflight,
     IoctlStart
 );

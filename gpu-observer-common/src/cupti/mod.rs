@@ -1,0 +1,262 @@
+//! What the CUPTI injection library (`gpu-observer-cupti`) hands to the eBPF side.
+//!
+//! The library converts CUPTI activity records into fixed-size [`GpuRecord`]s and passes
+//! batches of them to an exported hook function that does nothing; the agent's uprobe on that
+//! function copies each record into the ring buffer (bounded reads by pointer, parcagpu's USDT
+//! idea). No socket, no shared file: it works across containers. The library calls the hook
+//! only while [`SEMAPHORE_SYMBOL`] is non-zero, and the kernel keeps that counter (a uprobe
+//! reference counter, as for USDT is-enabled semaphores): it is raised while an agent's uprobe
+//! is attached and back to zero when the agent goes, so without an observer nothing is
+//! collected at all.
+
+#[cfg(feature = "user")]
+mod user;
+
+/// `void gpu_observer_cupti_batch(const GpuRecord *records, uint32_t count)`.
+pub const BATCH_SYMBOL: &str = "gpu_observer_cupti_batch";
+/// `void gpu_observer_cupti_name(uint64_t key, const char *name)`: a kernel name CUPTI
+/// reported (`key` is CUPTI's name pointer, the same in every record of that kernel).
+pub const NAME_SYMBOL: &str = "gpu_observer_cupti_name";
+/// `uint16_t` the kernel raises while a uprobe with this reference counter is attached.
+pub const SEMAPHORE_SYMBOL: &str = "gpu_observer_cupti_semaphore";
+/// File name of the injection library (`CUDA_INJECTION64_PATH`).
+pub const LIBRARY_FILE: &str = "libgpu_observer_cupti.so";
+
+/// Records per hook call; the eBPF program copies at most this many.
+pub const MAX_BATCH: u32 = 32;
+
+/// What a [`GpuRecord`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum GpuRecordKind {
+    /// A driver API call CUPTI timed: `tid`, `cbid`, `start_ns`..`end_ns`, `correlation_id`.
+    Api = 1,
+    /// A kernel's execution on the GPU.
+    Kernel = 2,
+    /// A copy's execution on the GPU (`bytes`, `copy_kind`, `src_kind`, `dst_kind`).
+    Memcpy = 3,
+    /// A memset's execution on the GPU (`bytes`, `value`).
+    Memset = 4,
+    /// A device's attributes, in `aux` (see [`device_aux`]).
+    Device = 5,
+    /// The library's state and counters, in `aux` (see [`status_aux`]).
+    Status = 6,
+}
+
+impl GpuRecordKind {
+    pub fn from_u32(v: u32) -> Option<Self> {
+        Some(match v {
+            1 => Self::Api,
+            2 => Self::Kernel,
+            3 => Self::Memcpy,
+            4 => Self::Memset,
+            5 => Self::Device,
+            6 => Self::Status,
+            _ => return None,
+        })
+    }
+}
+
+/// One record, the same layout for every kind (fields a kind does not use are zero).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct GpuRecord {
+    /// A [`GpuRecordKind`].
+    pub kind: u32,
+    /// CUPTI's correlation id: the same in an API record and the work it launched.
+    pub correlation_id: u32,
+    /// CLOCK_MONOTONIC ns (the library makes CUPTI use that clock).
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub device: u32,
+    pub context: u32,
+    /// CUPTI's stream id (not the `CUstream` handle).
+    pub stream: u32,
+    /// Api: the calling thread (gettid).
+    pub tid: u32,
+    /// Api: CUPTI's driver callback id; Kernel: the launch type.
+    pub cbid: u32,
+    /// Api: the CUresult returned.
+    pub result: u32,
+    pub grid: [i32; 3],
+    pub block: [i32; 3],
+    pub registers_per_thread: u32,
+    pub static_shared_mem: u32,
+    pub dynamic_shared_mem: u32,
+    /// CUDA graph the kernel/copy ran in, 0 if none.
+    pub graph_id: u32,
+    /// Memcpy/memset bytes.
+    pub bytes: u64,
+    /// Kernel: CUPTI's name pointer (key of the name passed to [`NAME_SYMBOL`]).
+    pub name_key: u64,
+    /// Memcpy: CUPTI_ACTIVITY_MEMCPY_KIND_*; memset: the value.
+    pub copy_kind: u32,
+    /// Memcpy: CUPTI_ACTIVITY_MEMORY_KIND_* of source and destination; memset: of the target.
+    pub src_kind: u16,
+    pub dst_kind: u16,
+    /// Device and Status records.
+    pub aux: [u64; 8],
+}
+
+/// Slots of [`GpuRecord::aux`] in a Device record (from `cuDeviceGetAttribute`).
+pub mod device_aux {
+    pub const SM_COUNT: usize = 0;
+    pub const MAX_THREADS_PER_SM: usize = 1;
+    pub const MAX_BLOCKS_PER_SM: usize = 2;
+    pub const REGISTERS_PER_SM: usize = 3;
+    pub const SHARED_MEM_PER_SM: usize = 4;
+    /// Shared memory the system reserves per block (1 KiB on sm_80+).
+    pub const RESERVED_SHARED_MEM_PER_BLOCK: usize = 5;
+    pub const WARP_SIZE: usize = 6;
+    /// major * 10 + minor.
+    pub const COMPUTE_CAPABILITY: usize = 7;
+}
+
+/// Slots of [`GpuRecord::aux`] in a Status record. Counters are cumulative for the process.
+pub mod status_aux {
+    /// A [`super::CuptiState`].
+    pub const STATE: usize = 0;
+    /// The CUptiResult that decided the state (0 when none).
+    pub const CUPTI_RESULT: usize = 1;
+    /// Records CUPTI itself dropped (its buffers were full).
+    pub const CUPTI_DROPPED: usize = 2;
+    /// Records left out by the library's rate limit.
+    pub const RATE_LIMITED: usize = 3;
+    /// Records handed to the hook.
+    pub const FORWARDED: usize = 4;
+    /// Activity buffers CUPTI completed.
+    pub const BUFFERS: usize = 5;
+    /// The activity buffer size in bytes.
+    pub const BUFFER_BYTES: usize = 6;
+    /// The rate limit in records per second (0: none).
+    pub const RATE_LIMIT: usize = 7;
+}
+
+/// What the injection library could do in its process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u64)]
+pub enum CuptiState {
+    /// Activity collection on: GPU timestamps flow.
+    Active = 1,
+    /// Another CUPTI subscriber holds the process (nsys, ncu, an in-process profiler):
+    /// `CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED`. Uprobes still see every call.
+    Busy = 2,
+    /// libcupti could not be loaded.
+    NoCupti = 3,
+    /// A CUPTI call failed (its result is in the record).
+    Failed = 4,
+    /// The observer went away: collection stopped.
+    Idle = 5,
+}
+
+impl CuptiState {
+    pub fn from_u64(v: u64) -> Option<Self> {
+        Some(match v {
+            1 => Self::Active,
+            2 => Self::Busy,
+            3 => Self::NoCupti,
+            4 => Self::Failed,
+            5 => Self::Idle,
+            _ => return None,
+        })
+    }
+}
+
+/// CUPTI's callback ids (`cupti_driver_cbid.h`, a stable ABI: values are never reused) of the
+/// probed entry points that put work on the GPU. API records of other calls are not forwarded.
+pub const DRIVER_CBIDS: &[(u32, &str)] = &[
+    (216, "cuMemsetD8Async"),
+    (218, "cuMemsetD16Async"),
+    (220, "cuMemsetD32Async"),
+    (222, "cuMemsetD2D8Async"),
+    (224, "cuMemsetD2D16Async"),
+    (226, "cuMemsetD2D32Async"),
+    (249, "cuMemsetD8_v2"),
+    (250, "cuMemsetD16_v2"),
+    (251, "cuMemsetD32_v2"),
+    (252, "cuMemsetD2D8_v2"),
+    (253, "cuMemsetD2D16_v2"),
+    (254, "cuMemsetD2D32_v2"),
+    (276, "cuMemcpyHtoD_v2"),
+    (277, "cuMemcpyHtoDAsync_v2"),
+    (278, "cuMemcpyDtoH_v2"),
+    (279, "cuMemcpyDtoHAsync_v2"),
+    (280, "cuMemcpyDtoD_v2"),
+    (281, "cuMemcpyDtoDAsync_v2"),
+    (305, "cuMemcpy"),
+    (306, "cuMemcpyAsync"),
+    (307, "cuLaunchKernel"),
+    (318, "cuMemcpyPeer"),
+    (319, "cuMemcpyPeerAsync"),
+    (397, "cuMemcpyHtoD_v2_ptds"),
+    (398, "cuMemcpyDtoH_v2_ptds"),
+    (399, "cuMemcpyDtoD_v2_ptds"),
+    (408, "cuMemcpy_ptds"),
+    (409, "cuMemcpyPeer_ptds"),
+    (411, "cuMemsetD8_v2_ptds"),
+    (412, "cuMemsetD16_v2_ptds"),
+    (413, "cuMemsetD32_v2_ptds"),
+    (414, "cuMemsetD2D8_v2_ptds"),
+    (415, "cuMemsetD2D16_v2_ptds"),
+    (416, "cuMemsetD2D32_v2_ptds"),
+    (418, "cuMemcpyAsync_ptsz"),
+    (421, "cuMemcpyHtoDAsync_v2_ptsz"),
+    (422, "cuMemcpyDtoHAsync_v2_ptsz"),
+    (423, "cuMemcpyDtoDAsync_v2_ptsz"),
+    (426, "cuMemcpyPeerAsync_ptsz"),
+    (428, "cuMemsetD8Async_ptsz"),
+    (429, "cuMemsetD16Async_ptsz"),
+    (430, "cuMemsetD32Async_ptsz"),
+    (431, "cuMemsetD2D8Async_ptsz"),
+    (432, "cuMemsetD2D16Async_ptsz"),
+    (433, "cuMemsetD2D32Async_ptsz"),
+    (442, "cuLaunchKernel_ptsz"),
+    (477, "cuLaunchCooperativeKernel"),
+    (478, "cuLaunchCooperativeKernel_ptsz"),
+    (514, "cuGraphLaunch"),
+    (515, "cuGraphLaunch_ptsz"),
+    (652, "cuLaunchKernelEx"),
+    (653, "cuLaunchKernelEx_ptsz"),
+];
+
+/// The probed entry point (name) of a CUPTI driver callback id, if it launches GPU work.
+pub fn api_of_cbid(cbid: u32) -> Option<&'static str> {
+    DRIVER_CBIDS
+        .binary_search_by_key(&cbid, |(c, _)| *c)
+        .ok()
+        .map(|i| DRIVER_CBIDS[i].1)
+}
+
+const _: () = {
+    assert!(core::mem::size_of::<GpuRecord>() == 176);
+    assert!(core::mem::size_of::<GpuRecord>().is_multiple_of(8));
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{self, Family};
+
+    #[test]
+    fn cbids_are_sorted_and_name_probed_work_apis() {
+        assert!(DRIVER_CBIDS.windows(2).all(|w| w[0].0 < w[1].0));
+        for (cbid, name) in DRIVER_CBIDS {
+            let spec = api::by_id(api::id_of(name).unwrap_or(0)).unwrap_or_else(|| panic!("{name} not probed"));
+            assert!(matches!(
+                spec.family,
+                Family::Launch | Family::LaunchEx | Family::GraphLaunch | Family::Memcpy | Family::Memset
+            ));
+            assert_eq!(api_of_cbid(*cbid), Some(*name));
+        }
+        // Every probed entry point that puts work on the GPU has its callback id.
+        for spec in api::APIS.iter().filter(|s| {
+            matches!(
+                s.family,
+                Family::Launch | Family::LaunchEx | Family::GraphLaunch | Family::Memcpy | Family::Memset
+            )
+        }) {
+            assert!(DRIVER_CBIDS.iter().any(|(_, n)| *n == spec.name), "{} lacks a cbid", spec.name);
+        }
+        assert_eq!(api_of_cbid(1), None);
+    }
+}

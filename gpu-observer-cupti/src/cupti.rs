@@ -1,0 +1,104 @@
+//! The CUPTI entry points this library uses, resolved at run time.
+//!
+//! libcupti is opened with dlopen (never linked): a baked-in RPATH breaks in containers, and
+//! a process without CUPTI must still run, only without GPU timestamps.
+
+use std::ffi::{CStr, c_char, c_int, c_void};
+
+use libloading::Library;
+
+pub type CuptiResult = c_int;
+pub const SUCCESS: CuptiResult = 0;
+/// `CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED`: another profiler holds CUPTI.
+pub const MULTIPLE_SUBSCRIBERS: CuptiResult = 39;
+/// `CUPTI_ACTIVITY_THREAD_ID_TYPE_SYSTEM`: thread ids are gettid() values.
+pub const THREAD_ID_TYPE_SYSTEM: c_int = 1;
+/// `CUPTI_ACTIVITY_FLAG_FLUSH_FORCED`.
+pub const FLUSH_FORCED: u32 = 1;
+
+pub type BufferRequested = extern "C" fn(*mut *mut u8, *mut usize, *mut usize);
+pub type BufferCompleted = extern "C" fn(*mut c_void, u32, *mut u8, usize, usize);
+pub type TimestampFn = extern "C" fn() -> u64;
+
+/// The resolved entry points. The library handle is kept for the life of the process.
+pub struct Cupti {
+    _lib: Library,
+    pub register_timestamp: unsafe extern "C" fn(TimestampFn) -> CuptiResult,
+    pub set_thread_id_type: unsafe extern "C" fn(c_int) -> CuptiResult,
+    pub register_callbacks: unsafe extern "C" fn(BufferRequested, BufferCompleted) -> CuptiResult,
+    pub enable: unsafe extern "C" fn(u32) -> CuptiResult,
+    pub disable: unsafe extern "C" fn(u32) -> CuptiResult,
+    pub flush_all: unsafe extern "C" fn(u32) -> CuptiResult,
+    pub next_record: unsafe extern "C" fn(*mut u8, usize, *mut *mut u8) -> CuptiResult,
+    pub dropped: unsafe extern "C" fn(*mut c_void, u32, *mut usize) -> CuptiResult,
+    result_string: Option<unsafe extern "C" fn(CuptiResult, *mut *const c_char) -> CuptiResult>,
+}
+
+/// Where libcupti is looked for: the override, the sonames, then the toolkit's usual places.
+fn candidates(override_path: Option<&str>) -> Vec<String> {
+    let mut out: Vec<String> = override_path.map(str::to_string).into_iter().collect();
+    out.extend(["libcupti.so.13", "libcupti.so.12", "libcupti.so"].map(String::from));
+    let homes = ["CUDA_HOME", "CUDA_PATH"]
+        .iter()
+        .filter_map(|v| std::env::var(v).ok())
+        .chain(["/usr/local/cuda".to_string()]);
+    for home in homes {
+        for sub in ["extras/CUPTI/lib64", "targets/x86_64-linux/lib", "lib64"] {
+            out.push(format!("{home}/{sub}/libcupti.so"));
+        }
+    }
+    out
+}
+
+impl Cupti {
+    /// Loads libcupti and resolves every entry point, or says why it could not.
+    pub fn load(override_path: Option<&str>) -> Result<Self, String> {
+        let mut errors = Vec::new();
+        for path in candidates(override_path) {
+            // SAFETY: loading CUPTI runs its initializers, which is what loading it is for;
+            // it is NVIDIA's library for exactly this (an injection library in a CUDA process).
+            match unsafe { Library::new(&path) } {
+                Ok(lib) => return Self::resolve(path, lib),
+                Err(e) => errors.push(format!("{path}: {e}")),
+            }
+        }
+        Err(format!("libcupti not found ({})", errors.join("; ")))
+    }
+
+    fn resolve(path: String, lib: Library) -> Result<Self, String> {
+        macro_rules! sym {
+            ($name:literal) => {
+                // SAFETY: the symbol has this C signature in CUPTI's headers (cupti_activity.h).
+                *unsafe { lib.get(concat!($name, "\0").as_bytes()) }
+                    .map_err(|e| format!("{path} lacks {}: {e}", $name))?
+            };
+        }
+        Ok(Self {
+            register_timestamp: sym!("cuptiActivityRegisterTimestampCallback"),
+            set_thread_id_type: sym!("cuptiSetThreadIdType"),
+            register_callbacks: sym!("cuptiActivityRegisterCallbacks"),
+            enable: sym!("cuptiActivityEnable"),
+            disable: sym!("cuptiActivityDisable"),
+            flush_all: sym!("cuptiActivityFlushAll"),
+            next_record: sym!("cuptiActivityGetNextRecord"),
+            dropped: sym!("cuptiActivityGetNumDroppedRecords"),
+            // SAFETY: as above (cupti_result.h); optional, only for messages.
+            result_string: unsafe { lib.get(b"cuptiGetResultString\0") }.ok().map(|s| *s),
+            _lib: lib,
+        })
+    }
+
+    /// CUPTI's own name of a result, for messages.
+    pub fn describe(&self, r: CuptiResult) -> String {
+        let mut s: *const c_char = std::ptr::null();
+        if let Some(f) = self.result_string
+            // SAFETY: valid out-pointer; CUPTI returns a static string.
+            && unsafe { f(r, &mut s) } == SUCCESS
+            && !s.is_null()
+        {
+            // SAFETY: non-null, NUL-terminated static string from CUPTI.
+            return unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned();
+        }
+        format!("CUPTI error {r}")
+    }
+}

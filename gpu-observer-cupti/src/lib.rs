@@ -1,0 +1,578 @@
+//! gpu-observer's CUPTI injection library: load it with
+//! `CUDA_INJECTION64_PATH=/path/libgpu_observer_cupti.so` (or `gpu-observer run -- CMD`) and
+//! the CUDA driver calls [`InitializeInjection`] when the process initializes CUDA.
+//!
+//! It asks CUPTI for kernel, copy and memset activity (when each really ran on the GPU) and for
+//! the driver API records that tie them to their launches (correlation ids), on CUPTI's clock
+//! set to CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`. Records are handed to gpu-observer
+//! through hook functions its eBPF programs probe (see `gpu_observer_common::cupti`):
+//!
+//! - nothing is collected unless an observer is attached: the kernel raises
+//!   [`gpu_observer_cupti_semaphore`] while the observer's uprobe is on the hook, and a control
+//!   thread enables CUPTI's activity kinds then, and disables them when it drops back to zero;
+//! - nothing here may crash or stall the host process: every entry point from C runs inside
+//!   `catch_unwind`, every failure leaves the process running without GPU timestamps, and the
+//!   observer is told why (a status record).
+//!
+//! Settings (environment; `gpu-observer run` sets them from its flags):
+//! `GPU_OBSERVER_CUDA_BUFFER_SIZE` (activity buffer bytes, default 8 MiB, seed 000),
+//! `GPU_OBSERVER_CUPTI_RATE_LIMIT` (records per second forwarded, default 1 000 000, 0 = none),
+//! `GPU_OBSERVER_CUPTI_FLUSH_MS` (default 500), `GPU_OBSERVER_CUPTI_PATH` (libcupti to load).
+
+pub mod convert;
+mod cupti;
+
+use std::{
+    collections::HashSet,
+    ffi::{CStr, c_char, c_int, c_void},
+    panic::{AssertUnwindSafe, catch_unwind},
+    sync::{
+        Mutex, OnceLock,
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
+    },
+    time::{Duration, Instant},
+};
+
+use gpu_observer_common::cupti::{CuptiState, GpuRecord, GpuRecordKind, MAX_BATCH, device_aux, status_aux};
+
+use crate::{
+    convert::{Converted, kind},
+    cupti::Cupti,
+};
+
+/// Raised by the kernel while a gpu-observer uprobe on the hooks is attached (a uprobe
+/// reference counter, like a USDT is-enabled semaphore). In `.probes` so it has a file offset.
+#[unsafe(no_mangle)]
+#[unsafe(link_section = ".probes")]
+#[allow(non_upper_case_globals)]
+pub static mut gpu_observer_cupti_semaphore: u16 = 0;
+
+/// Whether an observer is attached now.
+fn observed() -> bool {
+    // SAFETY: a plain read of a u16 the kernel may change at any time; volatile so each check
+    // sees the current value.
+    unsafe { std::ptr::read_volatile(&raw const gpu_observer_cupti_semaphore) != 0 }
+}
+
+/// The hook the observer's eBPF program probes: it copies `count` records from `records`.
+/// It does nothing itself; its first instruction is a 5-byte nop, which the kernel emulates
+/// (FACTS §3: ~0.6 µs a hit instead of ~11 µs for a single-stepped instruction).
+#[cfg(target_arch = "x86_64")]
+#[unsafe(no_mangle)]
+#[unsafe(naked)]
+pub extern "C" fn gpu_observer_cupti_batch(_records: *const GpuRecord, _count: u32) {
+    core::arch::naked_asm!(".byte 0x0f, 0x1f, 0x44, 0x00, 0x00", "ret");
+}
+
+/// The hook for kernel names: `key` is CUPTI's name pointer, `name` the NUL-terminated name.
+#[cfg(target_arch = "x86_64")]
+#[unsafe(no_mangle)]
+#[unsafe(naked)]
+pub extern "C" fn gpu_observer_cupti_name(_key: u64, _name: *const c_char) {
+    core::arch::naked_asm!(".byte 0x0f, 0x1f, 0x44, 0x00, 0x00", "ret");
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn gpu_observer_cupti_batch(records: *const GpuRecord, count: u32) {
+    std::hint::black_box((records, count));
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn gpu_observer_cupti_name(key: u64, name: *const c_char) {
+    std::hint::black_box((key, name));
+}
+
+/// Settings read once from the environment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    pub buffer_bytes: usize,
+    pub rate_limit: u64,
+    pub flush: Duration,
+    pub cupti_path: Option<String>,
+}
+
+impl Config {
+    pub const DEFAULT_BUFFER_BYTES: usize = 8 * 1024 * 1024;
+    pub const DEFAULT_RATE_LIMIT: u64 = 1_000_000;
+
+    pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Self {
+        let num = |k: &str| get(k).and_then(|v| v.trim().parse::<u64>().ok());
+        Self {
+            buffer_bytes: num("GPU_OBSERVER_CUDA_BUFFER_SIZE")
+                .map_or(Self::DEFAULT_BUFFER_BYTES, |v| v.clamp(64 * 1024, 256 * 1024 * 1024) as usize),
+            rate_limit: num("GPU_OBSERVER_CUPTI_RATE_LIMIT").unwrap_or(Self::DEFAULT_RATE_LIMIT),
+            flush: Duration::from_millis(num("GPU_OBSERVER_CUPTI_FLUSH_MS").unwrap_or(500).clamp(10, 60_000)),
+            cupti_path: get("GPU_OBSERVER_CUPTI_PATH").filter(|p| !p.is_empty()),
+        }
+    }
+}
+
+/// Process-wide state: set up once by [`InitializeInjection`].
+struct Injection {
+    cfg: Config,
+    cupti: Option<Cupti>,
+    state: AtomicU64,
+    result: AtomicU64,
+    enabled: AtomicBool,
+    forwarded: AtomicU64,
+    rate_limited: AtomicU64,
+    cupti_dropped: AtomicU64,
+    buffers: AtomicU64,
+    limiter: Mutex<Bucket>,
+    /// Name pointers already sent to the current observer.
+    names_sent: Mutex<HashSet<u64>>,
+}
+
+static INJECTION: OnceLock<Injection> = OnceLock::new();
+
+/// Most names remembered as sent (beyond it, a name may be sent twice: harmless).
+const MAX_NAMES: usize = 65_536;
+const KINDS: [u32; 4] = [kind::DRIVER, kind::CONCURRENT_KERNEL, kind::MEMCPY, kind::MEMSET];
+const POLL: Duration = Duration::from_millis(100);
+const STATUS_EVERY: Duration = Duration::from_secs(1);
+
+/// Token bucket for the per-process rate limit (one second of burst).
+pub struct Bucket {
+    rate: u64,
+    tokens: f64,
+    last: Instant,
+}
+
+impl Bucket {
+    pub fn new(rate: u64, now: Instant) -> Self {
+        Self {
+            rate,
+            tokens: rate as f64,
+            last: now,
+        }
+    }
+
+    /// Takes one token; false when the budget is spent (and always true without a limit).
+    pub fn take(&mut self, now: Instant) -> bool {
+        if self.rate == 0 {
+            return true;
+        }
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = now;
+        self.tokens = (self.tokens + elapsed * self.rate as f64).min(self.rate as f64);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// CLOCK_MONOTONIC ns: what CUPTI stamps records with once registered.
+extern "C" fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid timespec out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Called by the CUDA driver inside `cuInit` (CUDA_INJECTION64_PATH). Returns 1: whatever
+/// happens here, the process goes on (without GPU timestamps if CUPTI cannot be used).
+#[unsafe(no_mangle)]
+pub extern "C" fn InitializeInjection() -> c_int {
+    let _ = catch_unwind(|| {
+        INJECTION.get_or_init(init);
+    });
+    1
+}
+
+fn init() -> Injection {
+    let cfg = Config::from_env(|k| std::env::var(k).ok());
+    let inj = |cupti, state: CuptiState, result: i32| Injection {
+        limiter: Mutex::new(Bucket::new(cfg.rate_limit, Instant::now())),
+        cfg: cfg.clone(),
+        cupti,
+        state: AtomicU64::new(state as u64),
+        result: AtomicU64::new(result as u64),
+        enabled: AtomicBool::new(false),
+        forwarded: AtomicU64::new(0),
+        rate_limited: AtomicU64::new(0),
+        cupti_dropped: AtomicU64::new(0),
+        buffers: AtomicU64::new(0),
+        names_sent: Mutex::new(HashSet::new()),
+    };
+    let c = match Cupti::load(cfg.cupti_path.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            warn(&e);
+            spawn_control();
+            return inj(None, CuptiState::NoCupti, 0);
+        }
+    };
+    // The clock first: CUPTI requires it before any activity kind is enabled.
+    // SAFETY: CUPTI entry points called with the arguments their headers specify.
+    let setup = unsafe {
+        [
+            (c.register_timestamp)(monotonic_ns),
+            (c.set_thread_id_type)(cupti::THREAD_ID_TYPE_SYSTEM),
+            (c.register_callbacks)(buffer_requested, buffer_completed),
+        ]
+    };
+    let failed = setup.iter().copied().find(|&r| r != cupti::SUCCESS);
+    let state = match failed {
+        None => CuptiState::Idle,
+        Some(cupti::MULTIPLE_SUBSCRIBERS) => CuptiState::Busy,
+        Some(_) => CuptiState::Failed,
+    };
+    if let Some(r) = failed {
+        warn(&format!("CUPTI set-up failed: {}", c.describe(r)));
+    }
+    // SAFETY: registered once, at init; the handler only flushes through CUPTI.
+    unsafe { libc::atexit(at_exit) };
+    spawn_control();
+    inj(Some(c), state, failed.unwrap_or(0))
+}
+
+/// Says why GPU timestamps are missing, on the process's stderr, only while an observer is
+/// attached (as under `gpu-observer run`): a process that merely carries the library (a
+/// DaemonSet-injected environment) is never written to. The observer reports it too.
+fn warn(msg: &str) {
+    if observed() {
+        eprintln!("gpu-observer-cupti: {msg}; this process is observed with uprobes only");
+    }
+}
+
+fn spawn_control() {
+    let _ = std::thread::Builder::new()
+        .name("gpu-observer-cupti".into())
+        .spawn(|| {
+            let _ = catch_unwind(control);
+        });
+}
+
+/// Follows the semaphore: enable when an observer comes, flush while it stays, disable when
+/// it goes. Also re-sends the device table and status to each new observer.
+fn control() {
+    // The driver calls InitializeInjection before INJECTION is set: wait for it.
+    let inj = loop {
+        if let Some(i) = INJECTION.get() {
+            break i;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut was_observed = false;
+    let mut last_flush = Instant::now();
+    let mut last_status = Instant::now();
+    loop {
+        let now_observed = observed();
+        if now_observed && !was_observed {
+            inj.names_sent.lock().map(|mut n| n.clear()).ok();
+            start(inj);
+            send_devices();
+            send_status(inj);
+            last_status = Instant::now();
+        } else if !now_observed && was_observed {
+            stop(inj);
+        } else if now_observed {
+            if inj.enabled.load(Relaxed) && last_flush.elapsed() >= inj.cfg.flush {
+                flush(inj, 0);
+                last_flush = Instant::now();
+            }
+            if last_status.elapsed() >= STATUS_EVERY {
+                send_status(inj);
+                last_status = Instant::now();
+            }
+        }
+        was_observed = now_observed;
+        std::thread::sleep(POLL);
+    }
+}
+
+fn set_state(inj: &Injection, state: CuptiState, result: i32) {
+    inj.state.store(state as u64, Relaxed);
+    inj.result.store(result as u64, Relaxed);
+}
+
+/// Enables the activity kinds; on CUPTI_ERROR_MULTIPLE_SUBSCRIBERS (nsys, ncu, an in-process
+/// profiler) undoes what it enabled and reports the process as busy.
+fn start(inj: &Injection) {
+    let Some(c) = &inj.cupti else { return };
+    if inj.enabled.load(Relaxed) || inj.state.load(Relaxed) == CuptiState::Failed as u64 {
+        return;
+    }
+    for (i, k) in KINDS.iter().enumerate() {
+        // SAFETY: CUPTI entry point with a valid activity kind.
+        let r = unsafe { (c.enable)(*k) };
+        if r != cupti::SUCCESS {
+            for k in &KINDS[..i] {
+                // SAFETY: as above.
+                unsafe { (c.disable)(*k) };
+            }
+            let state = if r == cupti::MULTIPLE_SUBSCRIBERS {
+                CuptiState::Busy
+            } else {
+                CuptiState::Failed
+            };
+            warn(&format!("cannot enable CUPTI activity kind {k}: {}", c.describe(r)));
+            set_state(inj, state, r);
+            return;
+        }
+    }
+    inj.enabled.store(true, Relaxed);
+    set_state(inj, CuptiState::Active, 0);
+}
+
+fn stop(inj: &Injection) {
+    let Some(c) = &inj.cupti else { return };
+    if !inj.enabled.swap(false, Relaxed) {
+        return;
+    }
+    for k in KINDS {
+        // SAFETY: CUPTI entry point with a valid activity kind.
+        unsafe { (c.disable)(k) };
+    }
+    flush(inj, cupti::FLUSH_FORCED);
+    set_state(inj, CuptiState::Idle, 0);
+}
+
+fn flush(inj: &Injection, flag: u32) {
+    if let Some(c) = &inj.cupti {
+        // SAFETY: CUPTI entry point; completed buffers come back through buffer_completed.
+        unsafe { (c.flush_all)(flag) };
+    }
+}
+
+extern "C" fn at_exit() {
+    let _ = catch_unwind(|| {
+        if let Some(inj) = INJECTION.get()
+            && inj.enabled.load(Relaxed)
+        {
+            flush(inj, cupti::FLUSH_FORCED);
+            send_status(inj);
+        }
+    });
+}
+
+/// CUPTI asks for an activity buffer: one of the configured size, 8-byte aligned.
+extern "C" fn buffer_requested(buffer: *mut *mut u8, size: *mut usize, max_records: *mut usize) {
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        let bytes = INJECTION
+            .get()
+            .map_or(Config::DEFAULT_BUFFER_BYTES, |i| i.cfg.buffer_bytes);
+        let layout = std::alloc::Layout::from_size_align(bytes, 8).expect("valid layout");
+        // SAFETY: non-zero size; freed in buffer_completed with the same layout.
+        let p = unsafe { std::alloc::alloc(layout) };
+        // SAFETY: CUPTI passes valid out-pointers.
+        unsafe {
+            *buffer = p;
+            *size = if p.is_null() { 0 } else { bytes };
+            *max_records = 0;
+        }
+    }));
+}
+
+/// CUPTI hands back a full (or flushed) buffer: forward its records while observed.
+extern "C" fn buffer_completed(ctx: *mut c_void, stream: u32, buffer: *mut u8, size: usize, valid: usize) {
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        if let Some(inj) = INJECTION.get() {
+            inj.buffers.fetch_add(1, Relaxed);
+            if observed() {
+                forward(inj, buffer, valid);
+            }
+            if let Some(c) = &inj.cupti {
+                let mut dropped = 0usize;
+                // SAFETY: CUPTI entry point with the context/stream of this buffer.
+                if unsafe { (c.dropped)(ctx, stream, &mut dropped) } == cupti::SUCCESS {
+                    inj.cupti_dropped.fetch_add(dropped as u64, Relaxed);
+                }
+            }
+        }
+    }));
+    if !buffer.is_null() && size > 0 {
+        let layout = std::alloc::Layout::from_size_align(size, 8).expect("valid layout");
+        // SAFETY: allocated in buffer_requested with this size and alignment.
+        unsafe { std::alloc::dealloc(buffer, layout) };
+    }
+}
+
+/// Batches the buffer's records into [`GpuRecord`]s for the hook.
+fn forward(inj: &Injection, buffer: *mut u8, valid: usize) {
+    let Some(c) = &inj.cupti else { return };
+    let mut batch = [GpuRecord::default(); MAX_BATCH as usize];
+    let mut n = 0usize;
+    let mut record: *mut u8 = std::ptr::null_mut();
+    let mut limiter = inj.limiter.lock().unwrap_or_else(|e| e.into_inner());
+    let now = Instant::now();
+    // SAFETY: CUPTI walks its own buffer; `record` stays inside [buffer, buffer + valid).
+    while unsafe { (c.next_record)(buffer, valid, &mut record) } == cupti::SUCCESS {
+        let offset = (record as usize).wrapping_sub(buffer as usize);
+        if record.is_null() || offset >= valid {
+            break;
+        }
+        // SAFETY: inside the valid part of the buffer, at most the bytes left in it.
+        let bytes = unsafe { std::slice::from_raw_parts(record, valid - offset) };
+        let (rec, name) = match convert::convert(bytes) {
+            Converted::Record(r) => (r, None),
+            Converted::Kernel(r, name) => (r, Some(name)),
+            Converted::Skip => continue,
+        };
+        if !limiter.take(now) {
+            inj.rate_limited.fetch_add(1, Relaxed);
+            continue;
+        }
+        if let Some(key) = name {
+            send_name(inj, key);
+        }
+        batch[n] = rec;
+        n += 1;
+        if n == batch.len() {
+            send(&batch[..n]);
+            inj.forwarded.fetch_add(n as u64, Relaxed);
+            n = 0;
+        }
+    }
+    if n > 0 {
+        send(&batch[..n]);
+        inj.forwarded.fetch_add(n as u64, Relaxed);
+    }
+}
+
+fn send(records: &[GpuRecord]) {
+    for chunk in records.chunks(MAX_BATCH as usize) {
+        gpu_observer_cupti_batch(chunk.as_ptr(), chunk.len() as u32);
+    }
+}
+
+/// The first time the current observer sees a kernel, its name.
+fn send_name(inj: &Injection, key: u64) {
+    if key == 0 {
+        return;
+    }
+    let mut sent = inj.names_sent.lock().unwrap_or_else(|e| e.into_inner());
+    if sent.contains(&key) {
+        return;
+    }
+    if sent.len() < MAX_NAMES {
+        sent.insert(key);
+    }
+    // SAFETY: CUPTI's name pointer: a NUL-terminated string it keeps for the process's life.
+    let name = unsafe { CStr::from_ptr(key as *const c_char) };
+    gpu_observer_cupti_name(key, name.as_ptr());
+}
+
+fn send_status(inj: &Injection) {
+    let mut aux = [0u64; 8];
+    aux[status_aux::STATE] = inj.state.load(Relaxed);
+    aux[status_aux::CUPTI_RESULT] = inj.result.load(Relaxed);
+    aux[status_aux::CUPTI_DROPPED] = inj.cupti_dropped.load(Relaxed);
+    aux[status_aux::RATE_LIMITED] = inj.rate_limited.load(Relaxed);
+    aux[status_aux::FORWARDED] = inj.forwarded.load(Relaxed);
+    aux[status_aux::BUFFERS] = inj.buffers.load(Relaxed);
+    aux[status_aux::BUFFER_BYTES] = inj.cfg.buffer_bytes as u64;
+    aux[status_aux::RATE_LIMIT] = inj.cfg.rate_limit;
+    send(&[GpuRecord {
+        kind: GpuRecordKind::Status as u32,
+        start_ns: monotonic_ns(),
+        aux,
+        ..Default::default()
+    }]);
+}
+
+/// Each device's attributes for occupancy, from the libcuda the process already loaded.
+fn send_devices() {
+    type GetCount = unsafe extern "C" fn(*mut c_int) -> c_int;
+    type GetAttr = unsafe extern "C" fn(*mut c_int, c_int, c_int) -> c_int;
+    // SAFETY: RTLD_NOLOAD only finds the libcuda this process has already loaded.
+    let Ok(lib) = (unsafe {
+        libloading::os::unix::Library::open(Some("libcuda.so.1"), libc::RTLD_NOW | libc::RTLD_NOLOAD)
+    }) else {
+        return;
+    };
+    // SAFETY: driver API signatures from cuda.h.
+    let (Ok(count), Ok(attr)) = (unsafe { lib.get::<GetCount>(b"cuDeviceGetCount\0") }, unsafe {
+        lib.get::<GetAttr>(b"cuDeviceGetAttribute\0")
+    }) else {
+        return;
+    };
+    let mut n: c_int = 0;
+    // SAFETY: valid out-pointer; the driver is initialized (we run after cuInit).
+    if unsafe { count(&mut n) } != 0 {
+        return;
+    }
+    // CU_DEVICE_ATTRIBUTE_* in the order of `device_aux`.
+    const ATTRS: [(usize, c_int); 9] = [
+        (device_aux::SM_COUNT, 16),
+        (device_aux::MAX_THREADS_PER_SM, 39),
+        (device_aux::MAX_BLOCKS_PER_SM, 106),
+        (device_aux::REGISTERS_PER_SM, 82),
+        (device_aux::SHARED_MEM_PER_SM, 81),
+        (device_aux::RESERVED_SHARED_MEM_PER_BLOCK, 111),
+        (device_aux::WARP_SIZE, 10),
+        (device_aux::COMPUTE_CAPABILITY, 75),
+        (device_aux::COMPUTE_CAPABILITY, 76),
+    ];
+    let mut records = Vec::new();
+    for dev in 0..n.clamp(0, 64) {
+        let mut aux = [0u64; 8];
+        for (slot, a) in ATTRS {
+            let mut v: c_int = 0;
+            // SAFETY: valid out-pointer, a device ordinal below the count.
+            if unsafe { attr(&mut v, a, dev) } == 0 {
+                let v = v.max(0) as u64;
+                aux[slot] = match a {
+                    75 => v * 10,
+                    76 => aux[slot] + v,
+                    _ => v,
+                };
+            }
+        }
+        records.push(GpuRecord {
+            kind: GpuRecordKind::Device as u32,
+            device: dev as u32,
+            aux,
+            ..Default::default()
+        });
+    }
+    send(&records);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_defaults_and_bounds() {
+        let c = Config::from_env(|_| None);
+        assert_eq!(
+            (c.buffer_bytes, c.rate_limit, c.flush, c.cupti_path),
+            (8 << 20, 1_000_000, Duration::from_millis(500), None)
+        );
+        let c = Config::from_env(|k| {
+            Some(match k {
+                "GPU_OBSERVER_CUDA_BUFFER_SIZE" => "1".into(),
+                "GPU_OBSERVER_CUPTI_RATE_LIMIT" => "0".into(),
+                "GPU_OBSERVER_CUPTI_FLUSH_MS" => "junk".into(),
+                _ => "/x/libcupti.so".into(),
+            })
+        });
+        assert_eq!(c.buffer_bytes, 64 * 1024, "clamped up to 64 KiB");
+        assert_eq!((c.rate_limit, c.flush), (0, Duration::from_millis(500)));
+        assert_eq!(c.cupti_path.as_deref(), Some("/x/libcupti.so"));
+    }
+
+    #[test]
+    fn bucket_allows_the_rate_and_refills() {
+        let t0 = Instant::now();
+        let mut b = Bucket::new(3, t0);
+        assert_eq!((0..5).filter(|_| b.take(t0)).count(), 3);
+        let t1 = t0 + Duration::from_millis(700);
+        assert_eq!((0..5).filter(|_| b.take(t1)).count(), 2, "0.7 s at 3/s refills 2.1 tokens");
+        let mut unlimited = Bucket::new(0, t0);
+        assert!((0..1000).all(|_| unlimited.take(t0)));
+    }
+
+    #[test]
+    fn without_an_observer_nothing_is_sent() {
+        assert!(!observed());
+    }
+}
