@@ -3,7 +3,9 @@
 #
 # Provides: log/warn/die, require_root, find_nvcc, gpu_sm_arch, resolve_observer,
 # resolve_exe, wait_for_line, start_observer/stop_observer (background observer
-# lifecycle; OBS_PID, OBS_RC), and install_traps (the observer is always stopped on
+# lifecycle; OBS_PID, OBS_RC), start_observer_run/wait_observer_run (`gpu-observer run
+# -- CMD`: the observer starts CMD and exits with its status), child_pids, and
+# install_traps (the observer, and in run mode its command, is always stopped on
 # exit/INT/TERM).
 
 READY_TIMEOUT=${READY_TIMEOUT:-60}   # seconds to wait for "gpu-observer: ready"
@@ -11,6 +13,7 @@ STOP_TIMEOUT=${STOP_TIMEOUT:-30}     # seconds to wait after SIGINT
 READY_LINE='gpu-observer: ready'
 export PYTHONUNBUFFERED=1
 OBS_PID=""
+OBS_RUN=""  # 1 while OBS_PID is a `gpu-observer run` (it has the workload as its child)
 # shellcheck disable=SC2034  # read by the scripts that source this file
 OBS_RC=""
 _T0=$SECONDS
@@ -166,9 +169,37 @@ start_observer() {
 
 # SIGINT, wait up to STOP_TIMEOUT s, then SIGTERM (5 s), then SIGKILL.
 # Sets OBS_RC to the observer's exit status. Never fails.
+# In run mode (OBS_RUN=1) the observer's command is stopped first (SIGTERM, then
+# SIGKILL after 10 s); the observer normally exits by itself once it has, and
+# anything of it still alive after the observer is gone is killed.
 stop_observer() {
     [[ -n $OBS_PID ]] || return 0
-    local pid=$OBS_PID i rc=0
+    local pid=$OBS_PID i rc=0 kids=""
+    if [[ $OBS_RUN == 1 ]] && proc_alive "$pid"; then
+        kids=$(child_pids "$pid")
+        if [[ -n $kids ]]; then
+            warn "stopping the observed command (pid ${kids//$'\n'/ }) with SIGTERM"
+            # shellcheck disable=SC2086  # one pid per word
+            kill -TERM $kids 2>/dev/null || true
+            for ((i = 0; i < 100; i++)); do
+                proc_alive "$pid" || break
+                # shellcheck disable=SC2086
+                any_alive $kids || break
+                sleep 0.1
+            done
+            # shellcheck disable=SC2086
+            if any_alive $kids; then
+                warn "observed command ignored SIGTERM; sending SIGKILL"
+                # shellcheck disable=SC2086
+                kill -KILL $kids 2>/dev/null || true
+            fi
+            # The observer writes its summary and exits once its command has exited.
+            for ((i = 0; i < STOP_TIMEOUT * 10; i++)); do
+                proc_alive "$pid" || break
+                sleep 0.1
+            done
+        fi
+    fi
     if proc_alive "$pid"; then
         kill -INT "$pid" 2>/dev/null || true
         for ((i = 0; i < STOP_TIMEOUT * 10; i++)); do
@@ -189,7 +220,107 @@ stop_observer() {
         fi
     fi
     wait "$pid" 2>/dev/null || rc=$?
+    # shellcheck disable=SC2086
+    if [[ -n $kids ]] && any_alive $kids; then
+        # shellcheck disable=SC2086
+        kill -KILL $kids 2>/dev/null || true
+    fi
     OBS_PID=""
+    OBS_RUN=""
+    # shellcheck disable=SC2034
+    OBS_RC=$rc
+    return 0
+}
+
+# child_pids PID: the direct children of PID, one per line (pgrep, else /proc).
+child_pids() {
+    local pid=$1
+    if command -v pgrep >/dev/null 2>&1; then
+        pgrep -P "$pid" 2>/dev/null || true
+    else
+        cat /proc/"$pid"/task/*/children 2>/dev/null | tr ' ' '\n' | sed '/^$/d' || true
+    fi
+}
+
+# any_alive PID...: 0 if one of them is alive (and not a zombie).
+any_alive() {
+    local p
+    for p in "$@"; do
+        proc_alive "$p" && return 0
+    done
+    return 1
+}
+
+# start_observer_run JSONL ERRFILE LOGFILE [observer options...] -- CMD [ARGS...]
+# Runs `$OBSERVER run --format jsonl --output JSONL [options] -- CMD ARGS` in the
+# background: the observer attaches, prints its ready line, starts CMD (with
+# CUDA_INJECTION64_PATH set), and exits with CMD's exit status after its summary.
+# stdout (CMD's) goes to LOGFILE, stderr (the observer's and CMD's) to ERRFILE.
+# Environment for the observer and CMD: prefix with OBS_ENV=(VAR=value ...).
+# Waits for the ready line (READY_TIMEOUT s). Returns 1 if the observer exited
+# without it (OBS_RC set) or never printed it (then it is stopped). An observer
+# that printed it and already exited (a short CMD) is a success.
+start_observer_run() {
+    local jsonl=$1 err=$2 wlog=$3
+    shift 3
+    local -a opts=()
+    while (($#)) && [[ $1 != -- ]]; do
+        opts+=("$1")
+        shift
+    done
+    [[ ${1:-} == -- ]] || die "start_observer_run: no -- before the command"
+    shift
+    rm -f "$jsonl" "$err"
+    set -m
+    env ${OBS_ENV[@]+"${OBS_ENV[@]}"} "$OBSERVER" run --format jsonl --output "$jsonl" "${opts[@]}" -- "$@" \
+        </dev/null >"$wlog" 2>"$err" &
+    OBS_PID=$!
+    OBS_RUN=1
+    set +m
+    local i
+    for ((i = 0; i < READY_TIMEOUT * 10; i++)); do
+        if grep -qF "$READY_LINE" "$err" 2>/dev/null; then
+            log "observer (run) pid $OBS_PID ready after $((i / 10)).$((i % 10)) s"
+            return 0
+        fi
+        if ! proc_alive "$OBS_PID"; then
+            grep -qF "$READY_LINE" "$err" 2>/dev/null && return 0
+            local rc=0
+            wait "$OBS_PID" 2>/dev/null || rc=$?
+            OBS_PID=""
+            OBS_RUN=""
+            # shellcheck disable=SC2034
+            OBS_RC=$rc
+            warn "observer (run) exited before becoming ready (rc=$rc); last stderr lines:"
+            tail -n 20 "$err" 2>/dev/null | sed 's/^/    /' || true
+            return 1
+        fi
+        sleep 0.1
+    done
+    warn "observer (run) not ready after ${READY_TIMEOUT} s; last stderr lines:"
+    tail -n 20 "$err" 2>/dev/null | sed 's/^/    /' || true
+    stop_observer
+    return 1
+}
+
+# wait_observer_run TIMEOUT_S: wait for the run-mode observer to exit by itself;
+# OBS_RC gets its exit status (its command's). After TIMEOUT_S s the command and
+# then the observer are stopped (stop_observer) and 1 is returned.
+wait_observer_run() {
+    local timeout=$1 deadline rc=0
+    [[ -n $OBS_PID ]] || return 0
+    deadline=$((SECONDS + timeout))
+    while proc_alive "$OBS_PID"; do
+        if ((SECONDS >= deadline)); then
+            warn "observed command still running after ${timeout} s; stopping it"
+            stop_observer
+            return 1
+        fi
+        sleep 0.2
+    done
+    wait "$OBS_PID" 2>/dev/null || rc=$?
+    OBS_PID=""
+    OBS_RUN=""
     # shellcheck disable=SC2034
     OBS_RC=$rc
     return 0

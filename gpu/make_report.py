@@ -10,13 +10,16 @@ usage:
   make_report.py assemble --env ENV.json --out VALIDATION.md --dir RUNDIR
                           [--results-json R.json] [--status-file S.tsv] NAME...
       Build the report from RUNDIR/NAME.result.json and RUNDIR/NAME.section.md
-      (written by compare.py), in the order given.  A run without result gets a
-      row with its status from S.tsv ("NAME<TAB>STATUS" lines from validate.sh).
-      R.json receives env + all results + statuses in one object.
+      (written by compare.py, compare_ground_truth.py or compare_cupti.py), in the
+      order given.  A run without result gets a row with its status from S.tsv
+      ("NAME<TAB>STATUS" lines from validate.sh).  CUPTI runs (results of kind
+      "cupti", or names starting with "cupti_") get their own summary table and
+      section.  R.json receives env + all results + statuses in one object.
 """
 
 import argparse
 import datetime as dt
+import glob
 import hashlib
 import json
 import os
@@ -94,14 +97,40 @@ def gather_env(observer, nvcc, python):
     return env
 
 
+def find_libcupti(python):
+    """Where libcupti can be found on this machine (CUDA toolkit, the Python wheels): the
+    injection library needs one at run time."""
+    pats = ["/usr/local/cuda*/extras/CUPTI/lib64/libcupti.so*", "/usr/local/cuda*/lib64/libcupti.so*",
+            "/usr/lib/x86_64-linux-gnu/libcupti.so*", "/opt/nvidia/*/lib*/libcupti.so*"]
+    if python:
+        rc, out = run([python, "-c", "import site,sys;print('\\n'.join(site.getsitepackages()))"])
+        if rc == 0:
+            for sp in out.splitlines():
+                pats.append(os.path.join(sp.strip(), "nvidia", "*", "lib", "libcupti.so*"))
+                pats.append(os.path.join(sp.strip(), "nvidia", "*", "*", "lib", "libcupti.so*"))
+    found = []
+    for pat in pats:
+        for f in sorted(glob.glob(pat)):
+            if f not in found and not os.path.islink(f):
+                found.append(f)
+    return found[:6] or NA
+
+
 def cmd_env(a):
     env = gather_env(a.observer, a.nvcc, a.python)
+    if a.cupti_lib is not None:
+        env["cupti_lib"] = a.cupti_lib or NA
+        env["cupti_lib_sha256"] = sha256(a.cupti_lib) if a.cupti_lib else NA
+        env["libcupti"] = find_libcupti(a.python)
+        env["observer_run"] = a.observer_run or NA
     with open(a.out, "w", encoding="utf-8") as f:
         json.dump(env, f, indent=1)
         f.write("\n")
     for k in ("date_utc", "gpu", "compute_cap", "driver", "cuda_driver_api", "nvcc", "python",
-              "torch", "torch_cuda", "kernel", "observer_commit", "observer_sha256"):
-        print(f"  {k:<16} {env.get(k)}")
+              "torch", "torch_cuda", "kernel", "observer_commit", "observer_sha256", "cupti_lib",
+              "libcupti", "observer_run"):
+        if k in env:
+            print(f"  {k:<16} {env.get(k)}")
     return 0
 
 
@@ -133,6 +162,38 @@ def names_cell(win):
     return "; ".join(parts) or "-"
 
 
+def is_cupti(name, res):
+    if isinstance(res, dict):
+        return res.get("kind") == "cupti"
+    return name.startswith("cupti_") and not name.endswith("_uprobes")
+
+
+def ns_txt(v):
+    if v is None:
+        return "-"
+    return f"{v / 1000:.1f} µs" if abs(v) >= 1000 else f"{v} ns"
+
+
+def cupti_row(title, win):
+    m = win.get("metrics") or {}
+    st = win.get("status", "?")
+    d = m.get("delta_abs_ns") or {}
+    q = m.get("queue_delay_ns") or {}
+    n = m.get("gpu_kernels", 0)
+    if win.get("key") == "run":
+        launches = m.get("cupti_state") or "?"
+        launches = f"{n} / state {launches}"
+        copies = "-"
+    else:
+        launches = f"{n} / {m.get('launch_events', '?')}"
+        copies = f"{m.get('gpu_memcpy', '?')} / {m.get('memcpy_events', '?')}"
+    return (f"| {title} | {win.get('key')} | {'PASS' if st == 'PASS' else '**' + st + '**'} | "
+            f"{launches} | {m.get('joined', '?')} ({m.get('joined_pct', '?')}%) | "
+            f"{m.get('delta_within_tol', '?')}/{m.get('joined', '?')} | "
+            f"{ns_txt(d.get('median'))} / {ns_txt(d.get('p99'))} / {ns_txt(d.get('max'))} | "
+            f"{copies} | {ns_txt(q.get('median'))} / {ns_txt(q.get('p99'))} |")
+
+
 def cmd_assemble(a):
     env = load_json(a.env) or {}
     lines = ["# gpu-observer validation on a real GPU", ""]
@@ -150,10 +211,17 @@ def cmd_assemble(a):
                        ("nvcc", "nvcc"), ("Python", "python"), ("PyTorch", "torch"),
                        ("PyTorch CUDA", "torch_cuda"), ("Linux kernel", "kernel"),
                        ("Observer commit", "observer_commit"),
-                       ("Observer sha256", "observer_sha256")):
+                       ("Observer sha256", "observer_sha256"),
+                       ("CUPTI injection library", "cupti_lib"),
+                       ("Injection library sha256", "cupti_lib_sha256"),
+                       ("libcupti found", "libcupti")):
+        if key not in env and key in ("cupti_lib", "cupti_lib_sha256", "libcupti"):
+            continue
         val = env.get(key, NA)
-        if key == "observer_sha256" and val != NA:
+        if key.endswith("sha256") and val != NA:
             val = f"`{val[:16]}…`"
+        if isinstance(val, list):
+            val = ", ".join(f"`{v}`" for v in val)
         lines.append(f"| {label} | {val} |")
     lines.append("")
 
@@ -168,13 +236,15 @@ def cmd_assemble(a):
     for name in a.names:
         res = load_json(os.path.join(a.dir, f"{name}.result.json"))
         results.append((name, res))
+    cupti = [(n, r) for n, r in results if is_cupti(n, r)]
+    results_u = [(n, r) for n, r in results if not is_cupti(n, r)]
 
     lines.append("## Summary")
     lines.append("")
     lines.append("| workload | window | result | launches exp / cap | copies exp / cap | kernel names |")
     lines.append("|---|---|---|---:|---:|---|")
     any_fail = False
-    for name, res in results:
+    for name, res in results_u:
         if res is None:
             any_fail = True
             why = statuses.get(name, "NOT RUN / ERROR")
@@ -198,12 +268,30 @@ def cmd_assemble(a):
                          f"{'PASS' if st == 'PASS' else '**' + st + '**'} | {launches} | {copies} | "
                          f"{names_cell(win)} |")
     lines.append("")
+    if cupti:
+        lines.append("CUPTI runs (`gpu-observer run --trace-all`, GPU-side records joined to the "
+                     "uprobe launches; Δ = abs(launch_ts_ns − cupti_api_start_ns)):")
+        lines.append("")
+        lines.append("| workload | window | result | gpu_kernel / launches | joined | Δ ≤ tol | "
+                     "Δ median / p99 / max | gpu_memcpy / memcpy | queue delay median / p99 |")
+        lines.append("|---|---|---|---:|---:|---:|---|---:|---|")
+        for name, res in cupti:
+            if res is None:
+                any_fail = True
+                why = statuses.get(name, "NOT RUN / ERROR")
+                lines.append(f"| {name} | - | **{why}** (see `{name}.log`, `{name}.err`) | | | | | | |")
+                continue
+            for win in res.get("windows", []):
+                st = win.get("status", "?")
+                any_fail = any_fail or st != "PASS"
+                lines.append(cupti_row(res.get("title", name), win))
+        lines.append("")
     lines.append(f"Overall: **{'FAIL' if any_fail else 'PASS'}**")
     lines.append("")
 
     lines.append("## Workloads")
     lines.append("")
-    for name, res in results:
+    for name, res in results_u:
         sec = os.path.join(a.dir, f"{name}.section.md")
         if os.path.exists(sec):
             with open(sec, "r", encoding="utf-8") as f:
@@ -215,6 +303,20 @@ def cmd_assemble(a):
             lines.append(f"No comparison for this run (workload or observer failed; "
                          f"see `{name}.log` / `{name}.err`).")
         lines.append("")
+    if cupti:
+        lines.append("## CUPTI: GPU-side records (`gpu-observer run`)")
+        lines.append("")
+        for name, res in cupti:
+            sec = os.path.join(a.dir, f"{name}.section.md")
+            if os.path.exists(sec):
+                with open(sec, "r", encoding="utf-8") as f:
+                    lines.append(f.read().rstrip())
+            else:
+                lines.append(f"### {name}")
+                lines.append("")
+                lines.append(f"No comparison for this run ({statuses.get(name, 'workload or observer failed')}; "
+                             f"see `{name}.log` / `{name}.err`).")
+            lines.append("")
 
     lines.append("## Method")
     lines.append("")
@@ -244,6 +346,24 @@ def cmd_assemble(a):
                  "named and at least 99% of names equal a profiler (CUPTI) kernel name, as a "
                  "multiset, after whitespace normalisation (unmatched names are listed). Syncs, "
                  "memsets, phase A names and the `_ptsz` API check are informational.")
+    if cupti:
+        lines.append("- CUPTI runs: the workload runs as `gpu-observer run --format jsonl --trace-all "
+                     "-- CMD` (the observer attaches first, then starts CMD with "
+                     "`CUDA_INJECTION64_PATH` set to its CUPTI injection library); `torch_loop` runs "
+                     "with `TORCH_LOOP_NO_PROFILER=1` (one CUPTI subscriber per process: the "
+                     "injection library holds it), so phase B is checked against the uprobe launch "
+                     "counts. `gpu/compare_cupti.py`, per window and strict: every `gpu_kernel` "
+                     "line joined to its launch (`launch_ts_ns` set); Δ = abs(`launch_ts_ns` − "
+                     "`cupti_api_start_ns`) ≤ 5 µs for every joined line; `gpu_kernel` lines (graphs "
+                     "aside) = uprobe launch events, and = the launches the workload knows it made "
+                     "(phase A, ground truth); `gpu_memcpy` lines = uprobe memcpy events (and the "
+                     "workload's copies); the ground truth's kernel names with their counts; over "
+                     "the whole run every `gpu_kernel` line joined and the process's CUPTI state "
+                     "`active`. Informational: queue delay (`gpu_start_ns − launch_ts_ns`) and GPU "
+                     "duration distributions, memsets, bytes, copy kinds, CUPTI names vs uprobe "
+                     "names, the summary's CUPTI counters. `cupti_ground_truth_uprobes` is "
+                     "`compare_ground_truth.py` on the same CUPTI run: the uprobe side must stay "
+                     "exact with the injection library loaded.")
     lines.append("")
     with open(a.out, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
@@ -265,6 +385,10 @@ def main():
     e.add_argument("--observer", default=None)
     e.add_argument("--nvcc", default=None)
     e.add_argument("--python", default=None)
+    e.add_argument("--cupti-lib", default=None,
+                   help="the CUPTI injection library (empty: not found); adds libcupti paths")
+    e.add_argument("--observer-run", default=None,
+                   help="whether the observer has the run subcommand (text for the report)")
     s = sub.add_parser("assemble")
     s.add_argument("--env", required=True)
     s.add_argument("--out", required=True)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Real-GPU validation of gpu-observer: run known workloads under the observer
 # (all-process mode, JSONL) and compare captured vs expected counts, kernel names,
-# copy directions and the leak report.
+# copy directions and the leak report; then run cuda-ground-truth and torch_loop under
+# `gpu-observer run --trace-all` (CUPTI injection library) and check the GPU-side
+# records (compare_cupti.py: joined to their launches, timestamps, counts, names).
 #
 # usage (as root, from the repo root):
 #   OBSERVER=.gpu-bundle/gpu-observer GIT_COMMIT=$(git rev-parse HEAD) gpu/validate.sh [OUTDIR]
@@ -20,7 +22,10 @@
 # observer, i.e. .gpu-bundle/cuda-ground-truth), GIT_COMMIT, NVCC, CUDA_ARCH (e.g. sm_90),
 # PYTHON (default python3), N_COPIES (2000), N_TORCH (500), M_TORCH (20), GT_ITERS (200),
 # WORKLOAD_TIMEOUT (240 s), READY_TIMEOUT (60 s), STOP_TIMEOUT (30 s),
-# KEEP_RAW=1 (do not gzip the JSONL), WORK_DIR, SKIP_TORCH=1.
+# KEEP_RAW=1 (do not gzip the JSONL), WORK_DIR, SKIP_TORCH=1,
+# CUPTI_LIB (the injection library; default libgpu_observer_cupti.so next to the
+# observer, then .gpu-bundle/), SKIP_CUPTI=1 (CUPTI runs reported as skipped: fails),
+# CUPTI_TOLERANCE_NS (5000).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -37,7 +42,9 @@ GT_ITERS=${GT_ITERS:-200}
 GT_ATTACH_DELAY=${GT_ATTACH_DELAY:-0.5} # s between the observer's ready line and the start file
 GT_PID=""
 WORKLOAD_TIMEOUT=${WORKLOAD_TIMEOUT:-240}
+CUPTI_TOLERANCE_NS=${CUPTI_TOLERANCE_NS:-5000}
 BUDGET_S=480
+OBS_ENV=()
 
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
@@ -81,11 +88,48 @@ fi
 log "ground truth: ${GT_BIN:-not found (set GROUND_TRUTH=/path/to/cuda-ground-truth)}"
 log "nvcc: $NVCC_BIN  arch: $ARCH"
 
+# CUPTI runs: the injection library and the observer's `run` subcommand.
+CUPTI_SKIP=""
+CUPTI_LIB_PATH=""
+CUPTI_ARGS=()
+OBS_RUN_HELP="not checked"
+if [[ ${SKIP_CUPTI:-0} == 1 ]]; then
+    CUPTI_SKIP="SKIP_CUPTI=1"
+else
+    if [[ -n ${CUPTI_LIB:-} ]]; then
+        for c in "$CUPTI_LIB" "$PWD/$CUPTI_LIB" "$REPO_ROOT/$CUPTI_LIB"; do
+            if [[ -f $c ]]; then
+                CUPTI_LIB_PATH=$(cd "$(dirname "$c")" && pwd)/$(basename "$c")
+                break
+            fi
+        done
+        [[ -n $CUPTI_LIB_PATH ]] || CUPTI_SKIP="CUPTI_LIB=$CUPTI_LIB not found"
+        CUPTI_ARGS=(--cupti-lib "$CUPTI_LIB_PATH")
+    elif [[ -f $(dirname "$OBSERVER")/libgpu_observer_cupti.so ]]; then
+        # the observer finds it next to itself
+        CUPTI_LIB_PATH=$(dirname "$OBSERVER")/libgpu_observer_cupti.so
+    elif [[ -f $REPO_ROOT/.gpu-bundle/libgpu_observer_cupti.so ]]; then
+        CUPTI_LIB_PATH=$REPO_ROOT/.gpu-bundle/libgpu_observer_cupti.so
+        CUPTI_ARGS=(--cupti-lib "$CUPTI_LIB_PATH")
+    else
+        CUPTI_SKIP="no libgpu_observer_cupti.so next to the observer or in .gpu-bundle/; set CUPTI_LIB"
+    fi
+    if timeout 30 "$OBSERVER" run --help >"$WORK/observer_run_help.txt" 2>&1; then
+        OBS_RUN_HELP="yes"
+    else
+        OBS_RUN_HELP="no ('$OBSERVER run --help' failed: $(head -c 200 "$WORK/observer_run_help.txt" | tr '\n' ' '))"
+        [[ -n $CUPTI_SKIP ]] || CUPTI_SKIP="the observer has no 'run' subcommand (older build?)"
+    fi
+fi
+log "CUPTI injection library: ${CUPTI_LIB_PATH:-not found}; observer run subcommand: $OBS_RUN_HELP"
+[[ -z $CUPTI_SKIP ]] || warn "CUPTI runs will be skipped: $CUPTI_SKIP"
+
 nvidia-smi >"$WORK/nvidia-smi.txt" 2>&1 || die "nvidia-smi failed: $(tail -n 3 "$WORK/nvidia-smi.txt")"
 sed -n '1,12p' "$WORK/nvidia-smi.txt"
 "$NVCC_BIN" --version | sed -n '$p'
 "$PYTHON" "$HERE/make_report.py" env --out "$WORK/env.json" \
-    --observer "$OBSERVER" --nvcc "$NVCC_BIN" --python "$PYTHON"
+    --observer "$OBSERVER" --nvcc "$NVCC_BIN" --python "$PYTHON" \
+    --cupti-lib "$CUPTI_LIB_PATH" --observer-run "$OBS_RUN_HELP"
 
 RUN_TORCH=1
 if [[ ${SKIP_TORCH:-0} == 1 ]]; then
@@ -259,6 +303,97 @@ run_ground_truth() {
     return 0
 }
 
+# run_cupti NAME TITLE COMM_HINT KIND cmd...
+# The workload under `gpu-observer run --trace-all` (CUPTI injection library), then
+# compare_cupti.py.  KIND torch: cmd gets NAME.json as last argument and runs with
+# TORCH_LOOP_NO_PROFILER=1; KIND ground: cmd gets `--out NAME.json`, and
+# compare_ground_truth.py also checks the uprobe side of the same run (NAME_uprobes).
+run_cupti() {
+    local name=$1 title=$2 hint=$3 kind=$4
+    shift 4
+    local jsonl="$WORK/$name.jsonl" err="$WORK/$name.err" wjson="$WORK/$name.json"
+    local wlog="$WORK/$name.log" rc=0 up=""
+    NAMES+=("$name")
+    if [[ $kind == ground ]]; then
+        up=${name}_uprobes
+        NAMES+=("$up")
+        rm -f "$WORK/$up.result.json" "$WORK/$up.section.md"
+    fi
+    rm -f "$wjson" "$jsonl.gz" "$WORK/$name.result.json" "$WORK/$name.section.md"
+    log "=== $name: $title"
+    local skip=""
+    if [[ -n $CUPTI_SKIP ]]; then
+        skip="SKIPPED ($CUPTI_SKIP)"
+    elif ((SECONDS - _T0 > BUDGET_S)); then
+        skip="SKIPPED (time budget)"
+    fi
+    if [[ -n $skip ]]; then
+        STATUS[$name]=$skip
+        [[ -z $up ]] || STATUS[$up]=$skip
+        return 0
+    fi
+    local -a cmd=("$@")
+    OBS_ENV=()
+    if [[ $kind == ground ]]; then
+        cmd+=(--out "$wjson")
+    else
+        cmd+=("$wjson")
+        OBS_ENV=(TORCH_LOOP_NO_PROFILER=1)
+    fi
+    if ! start_observer_run "$jsonl" "$err" "$wlog" --trace-all "${CUPTI_ARGS[@]}" -- "${cmd[@]}"; then
+        OBS_ENV=()
+        STATUS[$name]="FAIL (gpu-observer run did not start)"
+        [[ -z $up ]] || STATUS[$up]=${STATUS[$name]}
+        return 0
+    fi
+    OBS_ENV=()
+    if wait_observer_run "$WORKLOAD_TIMEOUT"; then
+        rc=${OBS_RC:-0} # the workload's exit status, passed on by the observer
+    else
+        rc=124
+        STATUS[$name]="FAIL (workload still running after ${WORKLOAD_TIMEOUT} s)"
+    fi
+    finish_run "$name" "$rc"
+    if ((rc != 0)); then
+        tail -n 15 "$err" 2>/dev/null | sed 's/^/    observer+workload stderr: /' || true
+    fi
+    if [[ -z ${STATUS[$name]:-} ]]; then
+        case $kind:$rc in
+        *:0) ;;
+        ground:1) STATUS[$name]="FAIL (workload rc=1: a seed-004 hypothesis or a driver call failed)" ;;
+        ground:2) STATUS[$name]="FAIL (workload rc=2: no libcuda or no usable GPU)" ;;
+        *) STATUS[$name]="FAIL (workload or observer rc=$rc)" ;;
+        esac
+    fi
+    [[ -z $up || -z ${STATUS[$name]:-} ]] || STATUS[$up]=${STATUS[$name]}
+    [[ -s $wjson && -s $EVENTS ]] || return 0
+    local crc=0
+    "$PYTHON" "$HERE/compare_cupti.py" --workload "$wjson" --events "$EVENTS" --name "$name" \
+        --title "$title" --comm-hint "$hint" --tolerance-ns "$CUPTI_TOLERANCE_NS" \
+        --section-out "$WORK/$name.section.md" --result-out "$WORK/$name.result.json" || crc=$?
+    if [[ -z ${STATUS[$name]:-} ]]; then
+        case $crc in
+        0) STATUS[$name]=PASS ;;
+        1) STATUS[$name]="FAIL (CUPTI check failed)" ;;
+        *) STATUS[$name]="FAIL (compare_cupti error rc=$crc)" ;;
+        esac
+    fi
+    [[ -n $up ]] || return 0
+    crc=0
+    "$PYTHON" "$HERE/compare_ground_truth.py" --workload "$wjson" --events "$EVENTS" \
+        --name "$up" --title "cuda-ground-truth under gpu-observer run (CUPTI injected): uprobe checks" \
+        --comm-hint "$hint" --api-table "$REPO_ROOT/gpu-observer-common/src/api.rs" \
+        --section-out "$WORK/$up.section.md" --result-out "$WORK/$up.result.json" || crc=$?
+    if [[ -z ${STATUS[$up]:-} ]]; then
+        case $crc in
+        0) STATUS[$up]=PASS ;;
+        1) STATUS[$up]="FAIL (ground-truth mismatch under CUPTI)" ;;
+        *) STATUS[$up]="FAIL (compare error rc=$crc)" ;;
+        esac
+    fi
+    return 0
+}
+
 run_ground_truth
 run_one copies_kernels "copies_kernels (nvcc, cudart static, legacy default stream)" \
     copies_kernels "$BUILD_DIR/copies_kernels" "$N_COPIES"
@@ -270,6 +405,21 @@ if ((RUN_TORCH)); then
 else
     NAMES+=(torch_loop)
     STATUS[torch_loop]="SKIPPED (no usable PyTorch)"
+fi
+if [[ -n $GT_BIN ]]; then
+    run_cupti cupti_ground_truth "cuda-ground-truth under gpu-observer run (CUPTI): GPU records" \
+        cuda-ground-tru ground "$GT_BIN" --iters "$GT_ITERS"
+else
+    NAMES+=(cupti_ground_truth cupti_ground_truth_uprobes)
+    STATUS[cupti_ground_truth]="SKIPPED (no cuda-ground-truth binary; set GROUND_TRUTH)"
+    STATUS[cupti_ground_truth_uprobes]=${STATUS[cupti_ground_truth]}
+fi
+if ((RUN_TORCH)); then
+    run_cupti cupti_torch_loop "torch_loop under gpu-observer run (CUPTI, no torch.profiler): GPU records" \
+        python torch "$PYTHON" "$HERE/workloads/torch_loop.py" --n "$N_TORCH" --m "$M_TORCH"
+else
+    NAMES+=(cupti_torch_loop)
+    STATUS[cupti_torch_loop]="SKIPPED (no usable PyTorch)"
 fi
 
 # ------------------------------------------------------------ report
@@ -284,7 +434,7 @@ done
 log "=== results (${SECONDS}s total)"
 fail=0
 for n in "${NAMES[@]}"; do
-    printf '  %-22s %s\n' "$n" "${STATUS[$n]}"
+    printf '  %-28s %s\n' "$n" "${STATUS[$n]}"
     [[ ${STATUS[$n]} == PASS* ]] || fail=1
 done
 if ((fail)); then

@@ -123,6 +123,8 @@ struct Injection {
     cupti_dropped: AtomicU64,
     buffers: AtomicU64,
     limiter: Mutex<Bucket>,
+    /// Serializes enabling and disabling (the driver's thread and the control thread).
+    switch: Mutex<()>,
     /// Name pointers already sent to the current observer.
     names_sent: Mutex<HashSet<u64>>,
 }
@@ -181,7 +183,11 @@ extern "C" fn monotonic_ns() -> u64 {
 #[unsafe(no_mangle)]
 pub extern "C" fn InitializeInjection() -> c_int {
     let _ = catch_unwind(|| {
-        INJECTION.get_or_init(init);
+        let inj = INJECTION.get_or_init(init);
+        // Observed from the start (`gpu-observer run`): collect from the first kernel on.
+        if observed() {
+            start(inj);
+        }
     });
     1
 }
@@ -190,6 +196,7 @@ fn init() -> Injection {
     let cfg = Config::from_env(|k| std::env::var(k).ok());
     let inj = |cupti, state: CuptiState, result: i32| Injection {
         limiter: Mutex::new(Bucket::new(cfg.rate_limit, Instant::now())),
+        switch: Mutex::new(()),
         cfg: cfg.clone(),
         cupti,
         state: AtomicU64::new(state as u64),
@@ -297,6 +304,7 @@ fn set_state(inj: &Injection, state: CuptiState, result: i32) {
 /// profiler) undoes what it enabled and reports the process as busy.
 fn start(inj: &Injection) {
     let Some(c) = &inj.cupti else { return };
+    let _switch = inj.switch.lock().unwrap_or_else(|e| e.into_inner());
     if inj.enabled.load(Relaxed) || inj.state.load(Relaxed) == CuptiState::Failed as u64 {
         return;
     }
@@ -324,6 +332,7 @@ fn start(inj: &Injection) {
 
 fn stop(inj: &Injection) {
     let Some(c) = &inj.cupti else { return };
+    let _switch = inj.switch.lock().unwrap_or_else(|e| e.into_inner());
     if !inj.enabled.swap(false, Relaxed) {
         return;
     }

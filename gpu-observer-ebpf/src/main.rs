@@ -9,6 +9,7 @@
 #![no_main]
 
 mod calls;
+mod cupti;
 mod emit;
 mod ioctl;
 mod launch;

@@ -1,8 +1,8 @@
 //! Command line.
 
-use std::path::PathBuf;
+use std::{ffi::OsString, path::PathBuf};
 
-use clap::{Parser, ValueEnum};
+use clap::{Parser, Subcommand, ValueEnum};
 use gpu_observer_common::limits;
 
 #[derive(Parser, Debug)]
@@ -16,51 +16,84 @@ use gpu_observer_common::limits;
                   ioctls they issue. Needs root (or CAP_BPF + CAP_PERFMON)."
 )]
 pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
     /// Observe only this process (all its threads). Default: every process.
-    #[arg(long, short = 'p')]
+    #[arg(long, short = 'p', global = true)]
     pub pid: Option<u32>,
 
     /// Stop after this many seconds (default: until Ctrl-C / SIGTERM).
-    #[arg(long, short = 'd')]
+    #[arg(long, short = 'd', global = true)]
     pub duration: Option<f64>,
 
     /// Output: a live terminal table, or JSON lines (one event per line).
-    #[arg(long, short = 'f', value_enum, default_value_t = Format::Terminal)]
+    #[arg(long, short = 'f', value_enum, default_value_t = Format::Terminal, global = true)]
     pub format: Format,
 
     /// Write the output to this file instead of stdout.
-    #[arg(long, short = 'o')]
+    #[arg(long, short = 'o', global = true)]
     pub output: Option<PathBuf>,
 
     /// Size of the eBPF ring buffer in bytes (a power of two, at least 4096). Raise it if the
     /// summary reports dropped events.
-    #[arg(long, default_value_t = limits::DEFAULT_RING_BYTES, value_parser = parse_ring_size)]
+    #[arg(long, default_value_t = limits::DEFAULT_RING_BYTES, value_parser = parse_ring_size, global = true)]
     pub ring_buffer_size: u32,
 
     /// Also attach this libcuda file up front (repeatable); the usual driver paths and every
     /// libcuda mapped by a running process are found without it.
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", global = true)]
     pub libcuda: Vec<PathBuf>,
 
     /// Copies, memsets and syncs longer than this many microseconds are marked slow
     /// (`is_slow`, seed 003: 100 µs).
-    #[arg(long, default_value_t = 100, alias = "trace-gpu-threshold")]
+    #[arg(long, default_value_t = 100, alias = "trace-gpu-threshold", global = true)]
     pub threshold_us: u64,
 
     /// Write every copy, memset and sync. Default (seed adaptive sampling): only those taking
     /// at least --threshold-us are written one by one; all are counted in the summaries, and
     /// the total says how many were left out (`sampled_out`).
-    #[arg(long, alias = "trace-gpu-all")]
+    #[arg(long, alias = "trace-gpu-all", global = true)]
     pub trace_all: bool,
+
+    /// CUPTI activity buffer size in bytes for processes started by `run` (seed 000: 8 MB).
+    #[arg(long, default_value_t = 8 * 1024 * 1024, global = true)]
+    pub cuda_buffer_size: u64,
+
+    /// Most CUPTI records per second a process started by `run` forwards (0: no limit); the
+    /// rest are counted (`rate_limited`), never silently lost.
+    #[arg(long, default_value_t = 1_000_000, global = true)]
+    pub cupti_rate_limit: u64,
+
+    /// The CUPTI injection library for `run` (default: libgpu_observer_cupti.so beside the
+    /// gpu-observer binary).
+    #[arg(long, value_name = "PATH", global = true)]
+    pub cupti_lib: Option<PathBuf>,
+
+    /// `run` without the CUPTI injection library: uprobes only.
+    #[arg(long, global = true)]
+    pub no_cupti: bool,
 
     /// Attach perf-event uprobes instead of uprobe-multi links (the fallback for kernels before
     /// 6.6; for troubleshooting). They take ~85 ms each to detach at exit.
-    #[arg(long, hide = true)]
+    #[arg(long, hide = true, global = true)]
     pub perf_uprobes: bool,
 
     /// How often to look for new libcuda files and refresh the terminal view, in milliseconds.
-    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(50..=60_000))]
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(50..=60_000), global = true)]
     pub interval_ms: u64,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Start CMD with the CUPTI injection library (CUDA_INJECTION64_PATH) and observe it: every
+    /// launch also gets when it ran on the GPU (`gpu_kernel` lines). Ends when CMD exits, with
+    /// its exit status. CMD runs as the observer's user.
+    Run {
+        /// The command and its arguments (after `--`).
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "CMD")]
+        command: Vec<OsString>,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -89,6 +122,28 @@ mod tests {
         assert!(parse_ring_size("5000").is_err());
         assert!(parse_ring_size("2048").is_err());
         assert!(parse_ring_size("lots").is_err());
+    }
+
+    #[test]
+    fn run_takes_options_before_and_after_it_and_the_command_verbatim() {
+        let c = Cli::parse_from([
+            "gpu-observer",
+            "--format",
+            "jsonl",
+            "run",
+            "--trace-all",
+            "--",
+            "python3",
+            "-u",
+            "train.py",
+        ]);
+        assert_eq!(c.format, Format::Jsonl);
+        assert!(c.trace_all);
+        match c.command {
+            Some(Command::Run { command }) => assert_eq!(command, ["python3", "-u", "train.py"]),
+            None => panic!("no run"),
+        }
+        assert_eq!((c.cuda_buffer_size, c.cupti_rate_limit, c.no_cupti), (8 << 20, 1_000_000, false));
     }
 
     #[test]

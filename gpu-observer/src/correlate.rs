@@ -14,6 +14,10 @@ use gpu_observer_common::api::{Direction, Family, MemKind};
 
 use crate::decode::{Body, Call, Event, HostMemory, KernelName};
 
+pub mod gpu;
+
+use gpu::{GpuActivity, GpuState, Recent, Status};
+
 /// Live allocations remembered per process.
 const MAX_LIVE_ALLOCS: usize = 1 << 20;
 /// Kernel/function handles named per process.
@@ -193,6 +197,8 @@ pub struct Process {
     fds: HashMap<u32, Option<Arc<str>>>,
     /// Memory counters changed since the last sample.
     memory_dirty: bool,
+    /// CUPTI join state, once the process's injection library has reported.
+    pub gpu: Option<Box<GpuState>>,
 }
 
 impl Process {
@@ -208,6 +214,7 @@ impl Process {
             names: HashMap::new(),
             fds: HashMap::new(),
             memory_dirty: false,
+            gpu: None,
         }
     }
 
@@ -215,6 +222,14 @@ impl Process {
     fn containing(&self, ptr: u64) -> Option<&Alloc> {
         let (start, a) = self.live.range(..=ptr).next_back()?;
         (ptr - start < a.bytes.max(1)).then_some(a)
+    }
+
+    /// The command name as the fixed-size field of GPU lines.
+    fn comm_bytes(&self) -> [u8; 16] {
+        let mut c = [0u8; 16];
+        let n = self.comm.len().min(15);
+        c[..n].copy_from_slice(&self.comm.as_bytes()[..n]);
+        c
     }
 
     /// The process's wall span observed so far, in ns (at least 1).
@@ -306,6 +321,10 @@ pub struct Correlator {
     /// Copies, memsets and syncs longer than this are slow (seed 003: 100 µs).
     pub threshold_ns: u64,
     exited_order: VecDeque<u32>,
+    /// GPU activity joined since the last drain (written by the pipeline).
+    pub gpu_out: Vec<GpuActivity>,
+    /// CUPTI state changes since the last drain: (pid, ts, comm, new status).
+    pub cupti_changes: Vec<(u32, u64, String, Status)>,
 }
 
 impl Correlator {
@@ -353,6 +372,16 @@ impl Correlator {
                         None => p.stats.unresolved_launches += 1,
                     }
                 }
+                if let (Some(g), Some(spec)) = (p.gpu.as_deref_mut(), api) {
+                    g.call(
+                        ev.tid,
+                        Recent {
+                            ts_ns: ev.ts_ns,
+                            api: spec,
+                            kernel: l.kernel.clone(),
+                        },
+                    );
+                }
             }
             Body::Call(c) => {
                 let spec = api.expect("calls carry their api");
@@ -365,6 +394,28 @@ impl Correlator {
                     p.stats.slow_calls += 1;
                 }
                 Self::call(p, spec.family, spec.name, c);
+                if matches!(spec.family, Family::Memcpy | Family::Memset)
+                    && let Some(g) = p.gpu.as_deref_mut()
+                {
+                    g.call(
+                        ev.tid,
+                        Recent {
+                            ts_ns: ev.ts_ns,
+                            api: spec,
+                            kernel: None,
+                        },
+                    );
+                }
+            }
+            Body::Gpu(rec) => {
+                let comm = p.comm_bytes();
+                let g = p.gpu.get_or_insert_with(Default::default);
+                if let Some(status) = g.record(ev.pid, comm, rec, &mut self.gpu_out) {
+                    self.cupti_changes.push((ev.pid, ev.ts_ns, p.comm.clone(), status));
+                }
+            }
+            Body::GpuName { key, name } => {
+                p.gpu.get_or_insert_with(Default::default).name(*key, name.clone());
             }
             Body::Ioctl(i) => {
                 i.device = p.device(i.fd);
@@ -385,6 +436,10 @@ impl Correlator {
                 }
             }
             Body::ProcessExit => {
+                let comm = p.comm_bytes();
+                if let Some(g) = p.gpu.as_deref_mut() {
+                    g.expire(ev.pid, comm, u64::MAX, &mut self.gpu_out);
+                }
                 p.exited = true;
                 p.names = HashMap::new();
                 p.fds = HashMap::new();
@@ -502,6 +557,22 @@ impl Correlator {
                 }
             }
             Family::Launch | Family::LaunchEx | Family::GraphLaunch => {}
+        }
+    }
+
+    /// Emits, unjoined, GPU activity that waited too long for its API record (all of it when
+    /// `now_ns` is `u64::MAX`: the observer is stopping).
+    pub fn expire_gpu(&mut self, now_ns: u64) {
+        let before = if now_ns == u64::MAX {
+            u64::MAX
+        } else {
+            now_ns.saturating_sub(gpu::PENDING_AGE_NS)
+        };
+        for p in self.procs.values_mut() {
+            let comm = p.comm_bytes();
+            if let Some(g) = p.gpu.as_deref_mut().filter(|g| g.has_pending()) {
+                g.expire(p.pid, comm, before, &mut self.gpu_out);
+            }
         }
     }
 

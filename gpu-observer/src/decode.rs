@@ -6,7 +6,10 @@ use std::sync::Arc;
 
 use gpu_observer_common::{
     api::{self, ApiSpec, Direction, Family, Flags, MemKind, NO_ARG},
-    event::{CallEvent, EventHeader, EventKind, IoctlEvent, LaunchEvent, NameEvent, read_record},
+    cupti::GpuRecord,
+    event::{
+        CallEvent, EventHeader, EventKind, GpuEvent, GpuNameEvent, IoctlEvent, LaunchEvent, NameEvent, read_record,
+    },
 };
 
 /// One decoded record. Borrowing nothing: it is copied out of the ring.
@@ -26,6 +29,10 @@ pub enum Body {
     Call(Call),
     Ioctl(Ioctl),
     ProcessExit,
+    /// A record from the CUPTI injection library (joined by correlate).
+    Gpu(GpuRecord),
+    /// A kernel name CUPTI reported, under its name pointer.
+    GpuName { key: u64, name: Arc<KernelName> },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -177,6 +184,18 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
             Body::Call(call)
         }
         EventKind::ProcessExit => Body::ProcessExit,
+        EventKind::Gpu => {
+            let r: GpuEvent = read_record(bytes).ok_or(DecodeError::Short)?;
+            Body::Gpu(r.rec)
+        }
+        EventKind::GpuName => {
+            let r: GpuNameEvent = read_record(bytes).ok_or(DecodeError::Short)?;
+            let end = r.name.iter().position(|&b| b == 0).unwrap_or(r.name.len());
+            Body::GpuName {
+                key: r.key,
+                name: Arc::new(KernelName::new(&String::from_utf8_lossy(&r.name[..end]))),
+            }
+        }
     };
     Ok(Event {
         ts_ns: hdr.ts_ns,

@@ -12,6 +12,7 @@ mod export;
 mod ioctl_names;
 mod pipeline;
 mod preflight;
+mod spawn;
 
 use std::{
     collections::HashSet,
@@ -27,8 +28,11 @@ use clap::Parser;
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::{
-    attach::{FileKey, Probes, discover},
-    cli::{Cli, Format},
+    attach::{
+        FileKey, Probes,
+        discover::{self, LibKind},
+    },
+    cli::{Cli, Command, Format},
     correlate::Correlator,
     export::{jsonl::JsonlWriter, terminal},
     pipeline::{Reader, Shared},
@@ -43,9 +47,12 @@ fn main() {
             std::process::exit(1);
         }
     };
-    if let Err(e) = rt.block_on(observe(cli)) {
-        eprintln!("gpu-observer: error: {e:#}");
-        std::process::exit(1);
+    match rt.block_on(observe(cli)) {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("gpu-observer: error: {e:#}");
+            std::process::exit(1);
+        }
     }
 }
 
@@ -90,6 +97,18 @@ impl Attacher {
         }
     }
 
+    /// Probes the hooks of a CUPTI injection library file.
+    fn attach_hooks(&mut self, path: &Path, key: FileKey, seen_in: Option<u32>) {
+        match self.probes.attach_hooks(path, key) {
+            Ok(true) => {
+                let whose = seen_in.map(|p| format!(", mapped by pid {p}")).unwrap_or_default();
+                say(format_args!("attached CUPTI hooks {}{whose}", path.display()));
+            }
+            Ok(false) => {}
+            Err(e) => say(format_args!("warning: cannot attach {}: {e:#}", path.display())),
+        }
+    }
+
     /// Finds libcuda in the observed processes; attaches new files, marks new processes.
     fn rescan(&mut self) -> usize {
         let libs = match self.pid {
@@ -99,7 +118,10 @@ impl Attacher {
         let mut now = HashSet::with_capacity(self.known_pids.len());
         for lib in &libs {
             if !self.probes.is_attached(&lib.key) {
-                self.attach(&lib.host_path, lib.key, Some(lib.pid));
+                match lib.kind {
+                    LibKind::Cuda => self.attach(&lib.host_path, lib.key, Some(lib.pid)),
+                    LibKind::Hooks => self.attach_hooks(&lib.host_path, lib.key, Some(lib.pid)),
+                }
             }
             if !self.known_pids.contains(&lib.pid)
                 && !now.contains(&lib.pid)
@@ -115,7 +137,9 @@ impl Attacher {
     }
 }
 
-async fn observe(cli: Cli) -> Result<()> {
+/// Observes until Ctrl-C, `--duration`, or the end of the observed (or started) process; the
+/// exit code: 0, or the started program's.
+async fn observe(cli: Cli) -> Result<i32> {
     for w in preflight::check()? {
         say(format_args!("warning: {w}"));
     }
@@ -126,19 +150,31 @@ async fn observe(cli: Cli) -> Result<()> {
             "no process with pid {pid}: check it with `ps -p {pid}` (gpu-observer without --pid observes every process)"
         );
     }
-    let probes = Probes::load(cli.ring_buffer_size, cli.pid, cli.perf_uprobes)?;
+    let mut spawned = match &cli.command {
+        Some(Command::Run { .. }) if cli.pid.is_some() => {
+            bail!("`run` observes the program it starts: drop --pid")
+        }
+        Some(Command::Run { command }) => Some(spawn::start(command, &cli)?),
+        None => None,
+    };
+    let pid_filter = spawned.as_ref().map(spawn::Spawned::pid).or(cli.pid);
+    let probes = Probes::load(cli.ring_buffer_size, pid_filter, cli.perf_uprobes)?;
     let mut at = Attacher {
         probes,
-        pid: cli.pid,
+        pid: pid_filter,
         known_pids: HashSet::new(),
     };
+    if let Some(lib) = spawned.as_ref().and_then(|s| s.injection.clone()) {
+        let key = FileKey::of(&lib)?;
+        at.attach_hooks(&lib, key, None);
+    }
 
     for path in &cli.libcuda {
         let key = FileKey::of(path).with_context(|| format!("--libcuda {}", path.display()))?;
         at.attach(path, key, None);
     }
-    // In --pid mode the process's own mapping is what counts; otherwise pre-attach the host's
-    // driver so new processes are seen from their first call.
+    // In --pid mode the process's own mapping is what counts; otherwise (and for a program we
+    // start) pre-attach the host's driver so new processes are seen from their first call.
     if cli.pid.is_none() {
         for path in discover::well_known() {
             if let Ok(key) = FileKey::of(&path) {
@@ -160,7 +196,12 @@ async fn observe(cli: Cli) -> Result<()> {
     let reader = Reader::spawn(at.probes.take_ring()?, shared.clone(), output)?;
     let started = Instant::now();
     say("ready");
-    let mut waiting = mapped == 0;
+    if let Some(s) = spawned.as_mut() {
+        s.release()?;
+        say(format_args!("started pid {}", s.pid()));
+    }
+    let mut exit_status = None;
+    let mut waiting = mapped == 0 && spawned.is_none();
     if waiting {
         match cli.pid {
             Some(pid) => say(format_args!(
@@ -202,6 +243,13 @@ async fn observe(cli: Cli) -> Result<()> {
                 if waiting && mapped > 0 {
                     waiting = false;
                 }
+                if let Some(s) = spawned.as_mut()
+                    && let Some(status) = s.child.try_wait()?
+                {
+                    say(format_args!("process {} exited ({status})", s.pid()));
+                    exit_status = Some(status);
+                    break;
+                }
                 if let Some(pid) = cli.pid
                     && !Path::new(&format!("/proc/{pid}")).exists()
                 {
@@ -227,6 +275,17 @@ async fn observe(cli: Cli) -> Result<()> {
         }
     }
 
+    // A started program got the same Ctrl-C: give it a moment to finish (and flush CUPTI).
+    if let (Some(s), None) = (spawned.as_mut(), exit_status) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while exit_status.is_none() && Instant::now() < deadline {
+            exit_status = s.child.try_wait()?;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if exit_status.is_none() {
+            say(format_args!("process {} still runs; no longer observed", s.pid()));
+        }
+    }
     // Programs stop producing first, so the reader's last drain sees everything they produced.
     at.probes.disable()?;
     let output = reader.stop()?;
@@ -255,7 +314,7 @@ async fn observe(cli: Cli) -> Result<()> {
     drop(corr);
     // Detaching: ~0.4 s with uprobe-multi links (see attach/multi.rs).
     drop(at);
-    Ok(())
+    Ok(exit_status.map_or(0, spawn::Spawned::exit_code))
 }
 
 fn open_output(path: Option<&Path>) -> Result<Box<dyn Write + Send>> {

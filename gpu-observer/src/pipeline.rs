@@ -17,7 +17,10 @@ use anyhow::Result;
 use aya::maps::{MapData, RingBuf};
 
 use crate::{
-    correlate::Correlator,
+    correlate::{
+        Correlator,
+        gpu::{Status, state_message},
+    },
     decode::{Body, Event, decode},
     export::jsonl::JsonlWriter,
 };
@@ -81,6 +84,19 @@ impl Reader {
     }
 }
 
+/// Tells the user (stderr, and a `cupti` line) when a process's CUPTI state changes: GPU
+/// timestamps start flowing, or another profiler holds CUPTI and the process is observed with
+/// uprobes only.
+fn report_changes(changes: &[(u32, u64, String, Status)], output: &mut Option<Output>) -> Result<()> {
+    for (pid, ts, comm, status) in changes {
+        eprintln!("gpu-observer: pid {pid} ({comm}): {}", state_message(status.state));
+        if let Some(out) = output.as_mut() {
+            out.cupti(*pid, *ts, comm, status)?;
+        }
+    }
+    Ok(())
+}
+
 fn run(mut ring: RingBuf<MapData>, shared: &Shared, mut output: Option<Output>) -> Result<Option<Output>> {
     let fd = ring.as_raw_fd();
     let mut batch: Vec<Event> = Vec::with_capacity(BATCH);
@@ -88,6 +104,9 @@ fn run(mut ring: RingBuf<MapData>, shared: &Shared, mut output: Option<Output>) 
     let mut last_flush = Instant::now();
     let mut last_memory = Instant::now();
     let mut exited: Vec<u32> = Vec::new();
+    let mut gpu = Vec::new();
+    let mut changes = Vec::new();
+    let mut last_expire = Instant::now();
     loop {
         // Read the flag before draining: whatever was submitted before stop() is drained below.
         let stopping = shared.stop.load(Ordering::SeqCst);
@@ -124,10 +143,17 @@ fn run(mut ring: RingBuf<MapData>, shared: &Shared, mut output: Option<Output>) 
                         exited.push(ev.pid);
                     }
                 }
+                std::mem::swap(&mut gpu, &mut corr.gpu_out);
+                std::mem::swap(&mut changes, &mut corr.cupti_changes);
             }
+            report_changes(&changes, &mut output)?;
+            changes.clear();
             if let Some(out) = output.as_mut() {
                 for ev in &batch {
                     out.event(ev)?;
+                }
+                for a in &gpu {
+                    out.gpu(a)?;
                 }
                 // A process that exited: what it never freed.
                 if !exited.is_empty() {
@@ -142,6 +168,23 @@ fn run(mut ring: RingBuf<MapData>, shared: &Shared, mut output: Option<Output>) 
             }
             exited.clear();
             batch.clear();
+            gpu.clear();
+        }
+        // GPU records that waited too long for their launch's API record go out unjoined
+        // (all of them at the end).
+        if stopping || last_expire.elapsed() >= MEMORY_INTERVAL {
+            {
+                let mut corr = shared.corr.lock().expect("correlator lock");
+                corr.expire_gpu(if stopping { u64::MAX } else { monotonic_ns() });
+                std::mem::swap(&mut gpu, &mut corr.gpu_out);
+            }
+            if let Some(out) = output.as_mut() {
+                for a in &gpu {
+                    out.gpu(a)?;
+                }
+            }
+            gpu.clear();
+            last_expire = Instant::now();
         }
         if let Some(out) = output.as_mut() {
             let on_demand = shared.dump_leaks.swap(false, Ordering::SeqCst);

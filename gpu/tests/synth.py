@@ -6,9 +6,16 @@ usage: synth.py KIND OUTPREFIX [--drop-launch K] [--pid-offset D] [--ptds]
                 [--memset-extra K] [--unknown-dir K] [--null-names K] [--rename K]
                 [--drop-api API] [--wrong-host K] [--no-leak] [--extra-leak]
                 [--no-failed-result] [--wrong-stream K] [--style-names]
-KIND: copies | torch | bench | ground
+                [--unjoined K] [--ts-off K] [--drop-gpu-kernel K] [--state S]
+                [--warmup-outlier] [--with-profiler] [--no-cupti-block]
+KIND: copies | torch | bench | ground | cupti_torch | cupti_ground | bench_cupti
 Writes OUTPREFIX.json (workload) and OUTPREFIX.jsonl (observer).  Launch events follow the
 issue-3 contract: `kernel` (demangled, null when unresolved) and `kernel_mangled`.
+cupti_torch / cupti_ground: the same runs under `gpu-observer run` with CUPTI: every launch,
+memcpy and memset also has its gpu_kernel / gpu_memcpy / gpu_memset line, a `cupti` state
+line and the per-process summary's `cupti` block (faults: unjoined kernels, a CUPTI API
+timestamp 6 us off, missing gpu_kernel lines, another state).  bench_cupti: OUTPREFIX.d/
+with the per-run files bench_cupti.sh leaves for bench_cupti_report.py.
 """
 
 import argparse
@@ -343,9 +350,194 @@ def ground(a):
     return w, out
 
 
+# ------------------------------------------------------------------ CUPTI (gpu-observer run)
+
+COPY_KIND = {"cpu_to_gpu": "htod", "gpu_to_cpu": "dtoh", "gpu_to_gpu": "dtod"}
+
+
+def add_cupti(a, out, w, opid, windows, names=None):
+    """Add the CUPTI lines of the workload pid's launches, copies and memsets to `out` (the
+    uprobe events), apply the faults to the gpu_kernel lines inside `windows`, and replace the
+    summaries with a per-process one carrying the cupti block and a total."""
+    names = names or {}
+    evs = [e for e in out if e.get("type") != "summary"]
+    gpu = []
+    corr = 100
+    for e in sorted((e for e in evs if e.get("pid") == opid), key=lambda e: e["ts_ns"]):
+        typ = e.get("type")
+        ts = e["ts_ns"]
+        corr += 1
+        common = {"pid": opid, "tid": e.get("tid"), "comm": e.get("comm"), "correlation_id": corr,
+                  "device": 0, "context": 1, "stream": 7}
+        if typ == "launch":
+            graph = str(e.get("api")).startswith("cuGraphLaunch")
+            for g in range(2 if graph else 1):
+                start = ts + 40 + g * 5
+                end = start + 30
+                kern = e.get("kernel")
+                if kern is None and e.get("kernel_mangled"):
+                    kern = names.get(e["kernel_mangled"], e["kernel_mangled"])
+                gpu.append(dict(common, type="gpu_kernel", ts_ns=start, api=e.get("api"),
+                                gpu_start_ns=start, gpu_end_ns=end, gpu_duration_ns=end - start,
+                                launch_ts_ns=ts, queue_delay_ns=start - ts,
+                                cupti_api_start_ns=ts + 700 + (corr % 5) * 100,
+                                cupti_api_end_ns=ts + 2500, graph_id=7 if graph else None,
+                                kernel=kern if kern is not None else f"graph_node_{g}",
+                                kernel_mangled=e.get("kernel_mangled"), grid=[1, 1, 1],
+                                block=[128, 1, 1], registers_per_thread=32,
+                                static_shared_mem_bytes=0, dynamic_shared_mem_bytes=0,
+                                occupancy=0.5, is_slow=False, attributes={}))
+        elif typ == "memcpy":
+            start = ts + 20
+            gpu.append(dict(common, type="gpu_memcpy", ts_ns=start, api=e.get("api"),
+                            gpu_start_ns=start, gpu_end_ns=start + 10, gpu_duration_ns=10,
+                            launch_ts_ns=ts, queue_delay_ns=20, cupti_api_start_ns=ts + 600,
+                            cupti_api_end_ns=ts + 900, graph_id=None, bytes=e.get("bytes"),
+                            copy_kind=COPY_KIND.get(e.get("direction"), "unknown"),
+                            src_kind="pinned", dst_kind="device", bandwidth_mbps=1000.0,
+                            is_slow=False, attributes={}))
+        elif typ == "memset":
+            start = ts + 20
+            gpu.append(dict(common, type="gpu_memset", ts_ns=start, api=e.get("api"),
+                            gpu_start_ns=start, gpu_end_ns=start + 5, gpu_duration_ns=5,
+                            launch_ts_ns=ts, queue_delay_ns=20, cupti_api_start_ns=ts + 600,
+                            cupti_api_end_ns=ts + 900, graph_id=None, bytes=e.get("bytes"),
+                            value=0, memory_kind="device", is_slow=False, attributes={}))
+    # another process's CUPTI lines inside the windows: ignored
+    for s_, e_ in windows:
+        gpu.append({"type": "gpu_kernel", "ts_ns": s_ + 1, "pid": 999, "tid": 1000, "comm": "other",
+                    "api": None, "gpu_start_ns": s_ + 1, "gpu_end_ns": s_ + 2, "launch_ts_ns": None,
+                    "cupti_api_start_ns": None, "graph_id": None, "kernel": "k"})
+    inwin = sorted((g for g in gpu if g["type"] == "gpu_kernel" and g["pid"] == opid
+                    and any(s_ <= g["ts_ns"] <= e_ for s_, e_ in windows)), key=lambda g: g["ts_ns"])
+    for g in inwin[:a.unjoined]:
+        g.update(launch_ts_ns=None, queue_delay_ns=None, api=None)
+    for g in [g for g in inwin if g["launch_ts_ns"] is not None][:a.ts_off]:
+        g["cupti_api_start_ns"] = g["launch_ts_ns"] + 6000
+    drop = {id(g) for g in inwin[len(inwin) // 2:len(inwin) // 2 + a.drop_gpu_kernel]}
+    gpu = [g for g in gpu if id(g) not in drop]
+    if a.warmup_outlier:
+        t0 = min(s_ for s_, _ in windows) - 50_000
+        evs.append(ev("launch", t0, "cuLaunchKernel", opid, evs[0].get("comm") or "python3",
+                      kernel="warmup_k", grid=[1, 1, 1], block=[1, 1, 1], stream="0x0"))
+        gpu.append({"type": "gpu_kernel", "ts_ns": t0 + 9000, "pid": opid, "tid": TID,
+                    "api": "cuLaunchKernel", "gpu_start_ns": t0 + 9000, "gpu_end_ns": t0 + 9500,
+                    "gpu_duration_ns": 500, "launch_ts_ns": t0, "queue_delay_ns": 9000,
+                    "cupti_api_start_ns": t0 + 8000, "cupti_api_end_ns": t0 + 8500,
+                    "graph_id": None, "kernel": "warmup_k"})
+    mine = [g for g in gpu if g["pid"] == opid]
+    kern = [g for g in mine if g["type"] == "gpu_kernel"]
+    joined = sum(1 for g in kern if g["launch_ts_ns"] is not None)
+    state = a.state
+    t_first = min(e["ts_ns"] for e in evs)
+    comm = next((e.get("comm") for e in evs if e.get("pid") == opid), "python3")
+    lines = [{"type": "cupti", "ts_ns": t_first - 1000, "pid": opid, "tid": opid, "comm": comm,
+              "state": state, "cupti_result": 0 if state == "active" else 39,
+              "message": "activity collection on" if state == "active" else "another subscriber"}]
+    block = {"state": state, "kernels": len(kern),
+             "memcpys": sum(1 for g in mine if g["type"] == "gpu_memcpy"),
+             "memsets": sum(1 for g in mine if g["type"] == "gpu_memset"), "joined": joined,
+             "unjoined": len(kern) - joined,
+             "gpu_kernel_ns": sum(g.get("gpu_duration_ns") or 0 for g in kern),
+             "cupti_dropped": 0, "rate_limited": 0, "buffers": 3}
+    allv = evs + gpu + lines
+    t_end = max(e["ts_ns"] for e in allv) + 1000
+    psum = {"type": "summary", "scope": "process", "pid": opid, "comm": comm,
+            "events": sum(1 for e in allv if e.get("pid") == opid), "dropped": 0,
+            "cupti": None if a.no_cupti_block else block}
+    total = {"type": "summary", "scope": "total", "pid": None, "ts_ns": t_end,
+             "events": len(allv), "dropped": 0, "trace_all": True}
+    random.Random(5).shuffle(allv)
+    return allv + [psum, total]
+
+
+def cupti_torch(a):
+    w, out = torch_(a)
+    pa, pb = w["phaseA"], w["phaseB"]
+    # one graph launch in phase B (its two kernels do not count against the launches)
+    out.append(ev("launch", pb["start_ns"] + 50, "cuGraphLaunch", PID + a.pid_offset, "python3",
+                  kernel=None, function="0xabc", stream="0x0"))
+    if a.with_profiler:
+        pb["profiler_kernels"] += 2  # the profiler sees the graph's kernels too
+    else:
+        pb.update(profiler_kernels=None, profiler_memcpy=None, profiler_memset=None,
+                  profiler_kernel_names=None,
+                  profiler_count_method="none (profiler skipped: TORCH_LOOP_NO_PROFILER)")
+        pa["profiler_selfcheck"] = {"skipped": "TORCH_LOOP_NO_PROFILER"}
+        w["profiler"] = "skipped"
+    w["cuda_injection"] = "/opt/gpu-observer/libgpu_observer_cupti.so"
+    out = add_cupti(a, out, w, PID + a.pid_offset,
+                    [(pa["start_ns"], pa["end_ns"]), (pb["start_ns"], pb["end_ns"])])
+    return w, out
+
+
+def cupti_ground(a):
+    w, out = ground(a)
+    names = {k: d for k, d in GT_KERNELS}
+    out = add_cupti(a, out, w, PID + a.pid_offset, [(w["window_start_ns"], w["window_end_ns"])],
+                    names)
+    return w, out
+
+
+def bench_cupti(a):
+    """Per-run files of bench_cupti.sh: NAME.json (train_bench.py) and, for observer runs,
+    NAME.obs.json (bench_cupti_report.py extract), in OUTPREFIX.d/."""
+    import os
+    d = a.prefix + ".d"
+    os.makedirs(d, exist_ok=True)
+    base_ms = {"base": 5.00, "uprobes": 5.10, "cupti": 5.15, "profiler": 6.40}
+    if a.cupti_slow:
+        base_ms["cupti"] = 5.60
+    order = ["base", "uprobes", "cupti", "profiler"]
+    rounds = 3
+    for r in range(rounds):
+        for i in range(4):
+            mode = order[(i + r) % 4]
+            name = f"r{r + 1}_{mode}"
+            if a.drop_run and name == "r2_profiler":
+                continue
+            ms = base_ms[mode] * (1.0 + 0.004 * (r - 1))
+            steps = [int(ms * 1e6 * (1 + 0.01 * ((j % 7) - 3))) for j in range(200)]
+            t0 = 10_000_000_000 * (r * 4 + i + 1)
+            js = {"workload": "train_bench", "pid": 5000 + r * 4 + i, "label": mode,
+                  "profiler": mode == "profiler", "steps": 200, "warmup": 30,
+                  "step_ns": steps, "median_step_ms": sorted(steps)[100] / 1e6,
+                  "mean_step_ms": sum(steps) / len(steps) / 1e6,
+                  "steps_per_s": 200 / (sum(steps) / 1e9),
+                  "window_start_ns": t0, "window_end_ns": t0 + sum(steps),
+                  "kernels_per_step": 412.0 if mode == "profiler" else None,
+                  "model": {"kind": "transformer", "d_model": 1024, "layers": 4, "batch": 16,
+                            "seq": 256, "dtype": "bf16-autocast", "params": 60_000_000},
+                  "torch": "2.11.0+cu130", "device": "NVIDIA H100 80GB HBM3",
+                  "final_loss": 9.1, "cuda_injection": None}
+            with open(os.path.join(d, name + ".json"), "w") as f:
+                json.dump(js, f)
+            if mode in ("uprobes", "cupti"):
+                obs = {"pid": js["pid"], "found_pid": True, "lines": 90000,
+                       "total": {"events": 95000, "dropped": 0, "trace_all": mode == "uprobes"},
+                       "process": {"events": 94000, "dropped": 0},
+                       "launches_in_window": 82400, "gpu_kernels_in_window": 0,
+                       "cupti": None, "cupti_lines": []}
+                if mode == "cupti":
+                    obs["cupti"] = {"state": a.state, "kernels": 95000, "memcpys": 10,
+                                    "memsets": 700, "joined": 95000, "unjoined": 0,
+                                    "gpu_kernel_ns": 900_000_000, "cupti_dropped": 0,
+                                    "rate_limited": 0, "buffers": 40}
+                    obs["gpu_kernels_in_window"] = 120
+                with open(os.path.join(d, name + ".obs.json"), "w") as f:
+                    json.dump(obs, f)
+    with open(os.path.join(d, "plan.tsv"), "w") as f:
+        for r in range(rounds):
+            for i in range(4):
+                mode = order[(i + r) % 4]
+                f.write(f"{r + 1}\t{mode}\tr{r + 1}_{mode}\n")
+    return None, []
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("kind", choices=["copies", "torch", "bench", "ground"])
+    ap.add_argument("kind", choices=["copies", "torch", "bench", "ground", "cupti_torch",
+                                     "cupti_ground", "bench_cupti"])
     ap.add_argument("prefix")
     ap.add_argument("--drop-launch", type=int, default=0)
     ap.add_argument("--pid-offset", type=int, default=0)
@@ -363,8 +555,28 @@ def main():
     ap.add_argument("--extra-leak", action="store_true", help="ground: a leak that is not one")
     ap.add_argument("--no-failed-result", action="store_true",
                     help="ground: the invalid PTX load reported as successful")
+    ap.add_argument("--unjoined", type=int, default=0, help="cupti: K gpu_kernel lines unjoined")
+    ap.add_argument("--ts-off", type=int, default=0,
+                    help="cupti: K joined lines with cupti_api_start_ns 6 us after launch_ts_ns")
+    ap.add_argument("--drop-gpu-kernel", type=int, default=0, help="cupti: K gpu_kernel lines missing")
+    ap.add_argument("--state", default="active", help="cupti: the process's CUPTI state")
+    ap.add_argument("--warmup-outlier", action="store_true",
+                    help="cupti: a warm-up kernel (outside the windows) 8 us off")
+    ap.add_argument("--with-profiler", action="store_true",
+                    help="cupti_torch: phase B keeps the profiler's counts")
+    ap.add_argument("--no-cupti-block", action="store_true",
+                    help="cupti: per-process summary without the cupti block")
+    ap.add_argument("--cupti-slow", action="store_true", help="bench_cupti: CUPTI mode 12%% slower")
+    ap.add_argument("--drop-run", action="store_true", help="bench_cupti: one run missing")
     a = ap.parse_args()
-    if a.kind == "copies":
+    if a.kind == "bench_cupti":
+        bench_cupti(a)
+        return
+    if a.kind == "cupti_torch":
+        w, out = cupti_torch(a)
+    elif a.kind == "cupti_ground":
+        w, out = cupti_ground(a)
+    elif a.kind == "copies":
         w, out = copies(a)
     elif a.kind == "ground":
         w, out = ground(a)

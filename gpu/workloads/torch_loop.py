@@ -1,7 +1,15 @@
 #!/usr/bin/env python3
 """PyTorch workload with known CUDA activity inside CLOCK_MONOTONIC windows.
 
-usage: torch_loop.py [--n 500] [--m 20] OUT.json
+usage: torch_loop.py [--n 500] [--m 20] [--no-profiler] OUT.json
+
+--no-profiler (or TORCH_LOOP_NO_PROFILER=1): never start torch.profiler.  Needed under
+`gpu-observer run` (CUPTI injection): a process has one CUPTI subscriber and the injection
+library holds it, so the profiler would fail to subscribe.  Then the phase A self-check is
+skipped and phase B runs the same steps in the same window without a profiler session; its
+profiler_* counts are null ("profiler": "skipped") and compare_cupti.py checks the CUPTI
+records against the observer's uprobe launch counts instead.  If CUDA_INJECTION64_PATH names
+gpu-observer's injection library the profiler is skipped too (with a note).
 
 Phase A (exact by construction), N iterations of:
     h_src.fill_(i)                            CPU only, pinned buffer
@@ -42,9 +50,11 @@ Profiler counting method (recorded in the output as "profiler_count_method"):
   observer's `kernel` of each launch.
 
 Output JSON:
-  {"pid", "phaseA": {"start_ns","end_ns","launches","htod","dtoh","stream_syncs"},
+  {"pid", "profiler": "used" | "skipped", "cuda_injection": CUDA_INJECTION64_PATH or null,
+   "phaseA": {"start_ns","end_ns","launches","htod","dtoh","stream_syncs"},
    "phaseB": {"start_ns","end_ns","profiler_kernels","profiler_memcpy",
               "profiler_memset","profiler_kernel_names", ...diagnostics}}
+  (profiler_* are null when the profiler was skipped.)
 """
 
 import argparse
@@ -67,11 +77,25 @@ def parse_args():
     p.add_argument("--m", type=int, default=20, help="phase B profiled iterations")
     p.add_argument("--elems", type=int, default=256 * 1024,
                    help="float32 elements per phase A copy (default 1 MiB)")
+    p.add_argument("--no-profiler", action="store_true",
+                   help="never start torch.profiler (also TORCH_LOOP_NO_PROFILER=1)")
     p.add_argument("out", help="output JSON path")
     a = p.parse_args()
     if a.n <= 0 or a.m <= 0 or a.elems <= 0:
         die("--n, --m and --elems must be positive", 2)
     return a
+
+
+def profiler_skipped(a):
+    """Why torch.profiler must not run (None: it may)."""
+    if a.no_profiler:
+        return "--no-profiler"
+    if os.environ.get("TORCH_LOOP_NO_PROFILER", "") not in ("", "0"):
+        return "TORCH_LOOP_NO_PROFILER"
+    inj = os.environ.get("CUDA_INJECTION64_PATH", "")
+    if "gpu_observer_cupti" in os.path.basename(inj):
+        return f"CUDA_INJECTION64_PATH={inj} (CUPTI is held by gpu-observer's injection library)"
+    return None
 
 
 def phase_a(torch, n, elems):
@@ -193,13 +217,7 @@ def count_from_events(prof):
     return {"kernels": k, "memcpy": c, "memset": s}
 
 
-def phase_b(torch, m, tmpdir):
-    import warnings
-
-    from torch.profiler import ProfilerActivity, profile
-
-    warnings.filterwarnings("ignore", message=".*[Pp]rofiler clears events.*")
-
+def phase_b(torch, m, tmpdir, skip=None):
     dev = torch.device("cuda", 0)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -217,10 +235,18 @@ def phase_b(torch, m, tmpdir):
         opt.step()
         return loss
 
-    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     # Warm-up 1: unprofiled.
     step()
     torch.cuda.synchronize()
+    if skip:
+        return phase_b_unprofiled(torch, m, step, losses, skip)
+
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    warnings.filterwarnings("ignore", message=".*[Pp]rofiler clears events.*")
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     # Warm-up 2: inside a separate profiler session (CUPTI/Kineto init).
     with profile(activities=acts):
         step()
@@ -282,6 +308,26 @@ def phase_b(torch, m, tmpdir):
     return res
 
 
+def phase_b_unprofiled(torch, m, step, losses, why):
+    """Phase B without torch.profiler: the same warm-up count (a second step stands in for
+    the discarded profiler session) and the same window around M steps."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    start = time.monotonic_ns()
+    for _ in range(m):
+        losses.append(step())
+    torch.cuda.synchronize()
+    end = time.monotonic_ns()
+    last = float(losses[-1].item())
+    if last != last or last in (float("inf"), float("-inf")):
+        die(f"phase B loss is not finite: {last}")
+    return {"start_ns": start, "end_ns": end, "iterations": m, "final_loss": last,
+            "profiler_kernels": None, "profiler_memcpy": None, "profiler_memset": None,
+            "profiler_kernel_names": None,
+            "profiler_count_method": f"none (profiler skipped: {why})"}
+
+
 def main():
     a = parse_args()
     try:
@@ -294,23 +340,33 @@ def main():
     print(f"torch_loop: pid={os.getpid()} torch={torch.__version__} cuda={torch.version.cuda} "
           f"device={torch.cuda.get_device_name(0)}", flush=True)
 
+    skip = profiler_skipped(a)
+    if skip:
+        print(f"torch_loop: torch.profiler not used ({skip})", flush=True)
     pa, one = phase_a(torch, a.n, a.elems)
     with tempfile.TemporaryDirectory(prefix="torch_loop_") as td:
-        try:
-            pa["profiler_selfcheck"] = phase_a_selfcheck(torch, one, td)
-        except Exception as exc:  # informational only
-            pa["profiler_selfcheck"] = {"error": repr(exc)}
-        pb = phase_b(torch, a.m, td)
+        if skip:
+            pa["profiler_selfcheck"] = {"skipped": skip}
+        else:
+            try:
+                pa["profiler_selfcheck"] = phase_a_selfcheck(torch, one, td)
+            except Exception as exc:  # informational only
+                pa["profiler_selfcheck"] = {"error": repr(exc)}
+        pb = phase_b(torch, a.m, td, skip)
 
     out = {"workload": "torch_loop", "pid": os.getpid(), "torch": torch.__version__,
-           "torch_cuda": torch.version.cuda, "phaseA": pa, "phaseB": pb}
+           "torch_cuda": torch.version.cuda, "profiler": "skipped" if skip else "used",
+           "profiler_skipped_because": skip,
+           "cuda_injection": os.environ.get("CUDA_INJECTION64_PATH") or None,
+           "phaseA": pa, "phaseB": pb}
     tmp = a.out + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1)
         f.write("\n")
     os.replace(tmp, a.out)
     print(f"torch_loop: ok phaseA n={a.n} window_ms={(pa['end_ns'] - pa['start_ns']) / 1e6:.1f}; "
-          f"phaseB m={a.m} kernels={pb['profiler_kernels']} memcpy={pb['profiler_memcpy']} "
+          f"phaseB m={a.m} window_ms={(pb['end_ns'] - pb['start_ns']) / 1e6:.1f} "
+          f"kernels={pb['profiler_kernels']} memcpy={pb['profiler_memcpy']} "
           f"memset={pb['profiler_memset']} ({pb['profiler_count_method']})", flush=True)
 
 

@@ -224,9 +224,10 @@ fn fixtures() -> Result<PathBuf> {
     Ok(out)
 }
 
+/// Builds the observer and, beside it, its CUPTI injection library (what `run` loads).
 fn build(release: bool) -> Result<PathBuf> {
     let mut c = cargo();
-    c.args(["build", "--package", "gpu-observer"]);
+    c.args(["build", "--package", "gpu-observer", "--package", "gpu-observer-cupti"]);
     if release {
         c.arg("--release");
     }
@@ -321,6 +322,10 @@ fn bundle() -> Result<()> {
     let dir = root().join(".gpu-bundle");
     std::fs::create_dir_all(&dir)?;
     std::fs::copy(&bin, dir.join("gpu-observer"))?;
+    std::fs::copy(
+        bin.with_file_name("libgpu_observer_cupti.so"),
+        dir.join("libgpu_observer_cupti.so"),
+    )?;
     std::fs::copy(
         root().join("target/release/cuda-ground-truth"),
         dir.join("cuda-ground-truth"),

@@ -1,4 +1,5 @@
-//! Finding libcuda in running processes through `/proc/<pid>/maps`.
+//! Finding libcuda (and gpu-observer's CUPTI injection library) in running processes through
+//! `/proc/<pid>/maps`.
 //!
 //! Paths are opened through `/proc/<pid>/root` so a library inside a container's mount namespace
 //! is reached from the host; files are told apart by (device, inode), so the copy bind-mounted
@@ -9,9 +10,18 @@ use std::{
     path::{Path, PathBuf},
 };
 
-/// A libcuda file mapped by a process.
+/// Which library a mapping is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LibKind {
+    Cuda,
+    /// `libgpu_observer_cupti.so`, loaded through `CUDA_INJECTION64_PATH`: its hooks are probed.
+    Hooks,
+}
+
+/// A libcuda (or injection library) file mapped by a process.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MappedLibrary {
+    pub kind: LibKind,
     pub pid: u32,
     /// The path as the process sees it (from its maps).
     pub path: String,
@@ -44,14 +54,30 @@ pub fn is_libcuda(path: &str) -> bool {
     name == "libcuda.so" || name.starts_with("libcuda.so.")
 }
 
-/// The distinct libcuda files a process maps.
+/// Whether a file name is gpu-observer's CUPTI injection library.
+pub fn is_hook_library(path: &str) -> bool {
+    let name = path.rsplit('/').next().unwrap_or(path);
+    name == gpu_observer_common::cupti::LIBRARY_FILE
+}
+
+fn kind_of(path: &str) -> Option<LibKind> {
+    if is_libcuda(path) {
+        Some(LibKind::Cuda)
+    } else if is_hook_library(path) {
+        Some(LibKind::Hooks)
+    } else {
+        None
+    }
+}
+
+/// The distinct libcuda (and injection library) files a process maps.
 pub fn scan_pid(pid: u32) -> Vec<MappedLibrary> {
     let Ok(maps) = fs::read(format!("/proc/{pid}/maps")) else {
         return Vec::new(); // gone, or a kernel thread
     };
     let mut found: Vec<MappedLibrary> = Vec::new();
     // Cheap reject first: most processes never map libcuda.
-    if !contains(&maps, b"libcuda.so") {
+    if !contains(&maps, b"libcuda.so") && !contains(&maps, b"libgpu_observer_cupti") {
         return found;
     }
     for line in maps.split(|&b| b == b'\n') {
@@ -61,9 +87,12 @@ pub fn scan_pid(pid: u32) -> Vec<MappedLibrary> {
         // address perms offset dev inode path
         let mut fields = line.splitn(6, ' ');
         let path = fields.nth(5).map(str::trim_start).unwrap_or("");
-        if !path.starts_with('/') || path.ends_with(" (deleted)") || !is_libcuda(path) {
+        if !path.starts_with('/') || path.ends_with(" (deleted)") {
             continue;
         }
+        let Some(kind) = kind_of(path) else {
+            continue;
+        };
         if found.iter().any(|l| l.path == path) {
             continue;
         }
@@ -75,6 +104,7 @@ pub fn scan_pid(pid: u32) -> Vec<MappedLibrary> {
             continue;
         }
         found.push(MappedLibrary {
+            kind,
             pid,
             path: path.to_string(),
             host_path,
@@ -135,6 +165,11 @@ mod tests {
         assert!(!is_libcuda("/usr/lib/libcudart.so.13"));
         assert!(!is_libcuda("/usr/lib/libcuda_fake.so"));
         assert!(!is_libcuda("/opt/libcuda.so.1/other.so"));
+        assert!(is_hook_library("/opt/gpu-observer/libgpu_observer_cupti.so"));
+        assert!(!is_hook_library("/opt/libgpu_observer_cupti.so.bak"));
+        assert_eq!(kind_of("/usr/lib/libcuda.so.1"), Some(LibKind::Cuda));
+        assert_eq!(kind_of("/x/libgpu_observer_cupti.so"), Some(LibKind::Hooks));
+        assert_eq!(kind_of("/x/libc.so.6"), None);
     }
 
     #[test]

@@ -49,12 +49,14 @@ pub struct Probes {
     links: Vec<std::os::fd::OwnedFd>,
 }
 
-const UPROBE_PROGRAMS: [&str; 5] = [
+const UPROBE_PROGRAMS: [&str; 7] = [
     names::PROG_LAUNCH_KERNEL,
     names::PROG_LAUNCH_KERNEL_EX,
     names::PROG_GRAPH_LAUNCH,
     names::PROG_API_ENTER,
     names::PROG_API_EXIT,
+    names::PROG_CUPTI_BATCH,
+    names::PROG_CUPTI_NAME,
 ];
 
 /// The offsets one uprobe-multi link covers.
@@ -234,7 +236,7 @@ impl Probes {
             cookies,
         } in groups
         {
-            match multi.attach(prog, &cpath, &offsets, &cookies, ret, pid) {
+            match multi.attach(prog, &cpath, &offsets, &cookies, None, ret, pid) {
                 Ok(link) => {
                     self.links.push(link);
                     report.probes += offsets.len();
@@ -270,6 +272,36 @@ impl Probes {
         }
         report.entry_points = syms.offsets.len() - failed.len();
         Ok(())
+    }
+
+    /// Probes the hooks of a CUPTI injection library file (once per file). Its semaphore is
+    /// the links' reference counter: raised in every process mapping the file, now or later,
+    /// while we are attached, which is what turns the library's CUPTI collection on.
+    pub fn attach_hooks(&mut self, path: &Path, key: FileKey) -> Result<bool> {
+        if self.attached.contains_key(&key) {
+            return Ok(false);
+        }
+        let hooks = symbols::resolve_hooks(path)?;
+        let multi = self.multi.as_ref().ok_or_else(|| {
+            anyhow!("CUPTI hooks need uprobe-multi links (Linux 6.6+); this process is observed with uprobes only")
+        })?;
+        let cpath = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+            .with_context(|| format!("path {} has a NUL byte", path.display()))?;
+        let pid = match self.scope {
+            UProbeScope::OneProcess(p) => p.get(),
+            _ => 0,
+        };
+        for (prog, offset) in [
+            (names::PROG_CUPTI_BATCH, hooks.batch),
+            (names::PROG_CUPTI_NAME, hooks.name),
+        ] {
+            let link = multi
+                .attach(prog, &cpath, &[offset], &[0], Some(&[hooks.semaphore]), false, pid)
+                .with_context(|| format!("attach {prog} to {}", path.display()))?;
+            self.links.push(link);
+        }
+        self.attached.insert(key, path.display().to_string());
+        Ok(true)
     }
 
     /// Stops every program (they return at their first instruction) without detaching.

@@ -95,16 +95,23 @@ impl MultiPrograms {
         Ok(Self { fds: out })
     }
 
-    /// One link for `name` at every offset of `path`; `pid` 0 means every process.
+    /// One link for `name` at every offset of `path`; `pid` 0 means every process. With
+    /// `ref_ctr_offsets` (one per offset), the kernel raises the u16 at each of those file
+    /// offsets in every process mapping `path` while the link lives (USDT semaphores).
+    #[allow(clippy::too_many_arguments)]
     pub fn attach(
         &self,
         name: &str,
         path: &CStr,
         offsets: &[u64],
         cookies: &[u64],
+        ref_ctr_offsets: Option<&[u64]>,
         ret: bool,
         pid: u32,
     ) -> io::Result<OwnedFd> {
+        if ref_ctr_offsets.is_some_and(|r| r.len() != offsets.len()) {
+            return Err(io::Error::other("one reference counter per offset"));
+        }
         let prog = self
             .fds
             .get(name)
@@ -120,6 +127,7 @@ impl MultiPrograms {
             um.path = path.as_ptr() as u64;
             um.offsets = offsets.as_ptr() as u64;
             um.cookies = cookies.as_ptr() as u64;
+            um.ref_ctr_offsets = ref_ctr_offsets.map_or(0, |r| r.as_ptr() as u64);
             um.cnt = offsets.len() as u32;
             um.flags = if ret { BPF_F_UPROBE_MULTI_RETURN } else { 0 };
             um.pid = pid;

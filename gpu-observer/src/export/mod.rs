@@ -1,5 +1,6 @@
 //! Export: where events and summaries go (terminal view, JSON lines).
 
+pub mod attributes;
 pub mod jsonl;
 pub mod terminal;
 

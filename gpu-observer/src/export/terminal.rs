@@ -15,6 +15,8 @@ const MIB: f64 = 1024.0 * 1024.0;
 #[derive(Default)]
 pub struct LiveView {
     prev: HashMap<u32, Stats>,
+    /// (kernels, kernel GPU ns) at the previous refresh, per process with CUPTI.
+    prev_gpu: HashMap<u32, (u64, u64)>,
 }
 
 fn human_bytes(b: u64) -> String {
@@ -52,6 +54,7 @@ impl LiveView {
             "PID", "COMM", "LAUNCH/s", "H→D (n, MB/s)", "D→H (n, MB/s)", "D→D/other n/s", "SYNC %", "IOCTL n/s, ms"
         );
         let mut next = HashMap::new();
+        let mut next_gpu = HashMap::new();
         for p in corr.sorted() {
             if p.exited {
                 continue;
@@ -85,7 +88,23 @@ impl LiveView {
                 (now.ioctls.ns - before.ioctls.ns) as f64 / 1e6
             );
             next.insert(p.pid, now.clone());
+            if let Some(g) = p.gpu.as_deref() {
+                let (k, ns) = (g.stats.kernels, g.stats.kernel_ns);
+                let (pk, pns) = self.prev_gpu.get(&p.pid).copied().unwrap_or((0, 0));
+                let _ = writeln!(
+                    out,
+                    "{:>8} {:<16} GPU: {} — {:.0} kernels/s, kernels busy {:.1}% of the interval, queue delay avg {:.1} µs",
+                    "",
+                    "",
+                    crate::correlate::gpu::state_name(g.status.state),
+                    rate(k - pk),
+                    (ns - pns) as f64 / (interval_s * 1e9) * 100.0,
+                    g.stats.queue_delay_ns.checked_div(g.stats.queue_delays).unwrap_or(0) as f64 / 1e3
+                );
+                next_gpu.insert(p.pid, (k, ns));
+            }
         }
+        self.prev_gpu = next_gpu;
         if corr.procs.is_empty() {
             out.push_str("(no CUDA activity yet)\n");
         }
@@ -258,6 +277,50 @@ pub fn final_summary(corr: &Correlator, drops: &Drops, wall_ns: u64) -> String {
         if s.failed_calls > 0 {
             let _ = writeln!(out, "  failed calls  {:>10}", s.failed_calls);
         }
+        if let Some(g) = p.gpu.as_deref() {
+            gpu_summary(&mut out, g);
+        }
     }
     out
+}
+
+/// What CUPTI said about a process: GPU time, joins, queue delay, the kernels that took the GPU.
+fn gpu_summary(out: &mut String, g: &crate::correlate::gpu::GpuState) {
+    use crate::correlate::gpu::{state_message, state_name};
+    let (s, st) = (&g.stats, &g.status);
+    let _ = writeln!(
+        out,
+        "  CUPTI         {:>10}   {}",
+        state_name(st.state),
+        state_message(st.state)
+    );
+    if s.kernels + s.memcpys + s.memsets == 0 {
+        return;
+    }
+    let span = s.last_gpu_ns.saturating_sub(s.first_gpu_ns).max(1) as f64;
+    let _ = writeln!(
+        out,
+        "  GPU kernels   {:>10}   {:.3} ms of GPU time ({:.1}% of the span they ran in); queue delay avg {:.1} µs, max {:.1} µs",
+        s.kernels,
+        s.kernel_ns as f64 / 1e6,
+        s.kernel_ns as f64 / span * 100.0,
+        s.queue_delay_ns.checked_div(s.queue_delays).unwrap_or(0) as f64 / 1e3,
+        s.max_queue_delay_ns as f64 / 1e3
+    );
+    let _ = writeln!(
+        out,
+        "  GPU copies    {:>10}   {:.3} ms; memsets {} ({:.3} ms)",
+        s.memcpys,
+        s.memcpy_ns as f64 / 1e6,
+        s.memsets,
+        s.memset_ns as f64 / 1e6
+    );
+    let _ = writeln!(
+        out,
+        "  joined        {:>10}   to their launch ({} not joined; CUPTI dropped {}, rate-limited {})",
+        s.joined, s.unjoined, st.cupti_dropped, st.rate_limited
+    );
+    for (name, count, ns) in s.top_kernels(5) {
+        let _ = writeln!(out, "    {:>9.3} ms {:>8}× {}", ns as f64 / 1e6, count, shorten(name, 70));
+    }
 }

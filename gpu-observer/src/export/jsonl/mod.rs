@@ -1,6 +1,8 @@
 //! JSON lines (`--format jsonl`): the schema of ARCHITECTURE.md, one object per event, written
 //! straight into a buffered writer (no allocation per event).
 
+mod gpu;
+
 use std::io::{self, Write};
 
 use gpu_observer_common::api::Family;
@@ -20,8 +22,9 @@ pub struct JsonlWriter<W: Write> {
     /// Seeds 000/003 adaptive sampling: without it, copies, memsets and syncs shorter than the
     /// threshold are counted (in the summaries) but not written one by one.
     trace_all: bool,
-    /// Calls left out by sampling, by line type: memcpy, memset, sync.
-    sampled_out: [u64; 3],
+    /// Lines left out by sampling, by type: memcpy, memset, sync, gpu_kernel, gpu_memcpy,
+    /// gpu_memset.
+    sampled_out: [u64; 6],
 }
 
 /// A pointer or handle written as a JSON string `"0x…"`.
@@ -84,7 +87,7 @@ impl<W: Write> JsonlWriter<W> {
             out,
             threshold_ns,
             trace_all,
-            sampled_out: [0; 3],
+            sampled_out: [0; 6],
         }
     }
 
@@ -185,6 +188,8 @@ impl<W: Write> JsonlWriter<W> {
                 opt_str(&mut self.out, "parent_api", i.parent.map(|p| p.name))?;
             }
             Body::ProcessExit => self.event_head("process_exit", ev)?,
+            // Written once joined, by `gpu`.
+            Body::Gpu(_) | Body::GpuName { .. } => return Ok(()),
         }
         self.out.write_all(b"}\n")
     }
@@ -318,7 +323,7 @@ impl<W: Write> JsonlWriter<W> {
         counts(&mut self.out, kinds)?;
         write!(
             self.out,
-            ",\"decode_errors\":{},\"processes\":{},\"forgotten_processes\":{},\"unattributed_drops\":{unattributed},\"threshold_us\":{},\"trace_all\":{},\"sampled_out\":{{\"memcpy\":{},\"memset\":{},\"sync\":{}}},\"demangler\":\"{}\",\"wall_ns\":{wall_ns}}}",
+            ",\"decode_errors\":{},\"processes\":{},\"forgotten_processes\":{},\"unattributed_drops\":{unattributed},\"threshold_us\":{},\"trace_all\":{},\"sampled_out\":{{\"memcpy\":{},\"memset\":{},\"sync\":{},\"gpu_kernel\":{},\"gpu_memcpy\":{},\"gpu_memset\":{}}},\"demangler\":\"{}\",\"wall_ns\":{wall_ns}}}",
             corr.decode_errors,
             corr.procs.len(),
             corr.forgotten,
@@ -327,6 +332,9 @@ impl<W: Write> JsonlWriter<W> {
             self.sampled_out[0],
             self.sampled_out[1],
             self.sampled_out[2],
+            self.sampled_out[3],
+            self.sampled_out[4],
+            self.sampled_out[5],
             crate::decode::demangle::style()
         )?;
         self.out.write_all(b"\n")?;
@@ -452,6 +460,7 @@ impl<W: Write> JsonlWriter<W> {
             s.slow_calls, s.failed_calls
         )?;
         counts(o, s.call_apis.iter())?;
-        o.write_all(b"}\n")
+        self.gpu_summary(p.gpu.as_deref())?;
+        self.out.write_all(b"}\n")
     }
 }

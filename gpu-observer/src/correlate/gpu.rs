@@ -1,0 +1,584 @@
+//! Joins CUPTI's records (when work really ran on the GPU) to the uprobe events of the calls
+//! that launched it.
+//!
+//! CUPTI ties a kernel/copy/memset record to the driver API record of its launching call by
+//! correlation id. That API record carries the calling thread and CUPTI's own start/end of the
+//! call; the uprobe event of the same call is the latest one of that API on that thread that
+//! entered before the call ended. So: uprobe events of processes with CUPTI are kept per
+//! thread for a while (`Recent`), an API record claims its uprobe event (`Origin`), and
+//! activity records find their origin by correlation id — in whichever order they arrive
+//! (activity before its API record waits in `pending`). Everything is bounded; whatever ages
+//! out unjoined is still emitted and counted as unjoined.
+
+use std::{
+    collections::{BTreeMap, HashMap, VecDeque},
+    sync::Arc,
+};
+
+use gpu_observer_common::{
+    api::{self, ApiSpec},
+    cupti::{self, CuptiState, GpuRecord, GpuRecordKind, device_aux, status_aux},
+};
+
+use crate::decode::KernelName;
+
+/// uprobe calls kept per thread, waiting for their API record.
+const MAX_RECENT_PER_THREAD: usize = 8192;
+/// Threads with calls waiting.
+const MAX_THREADS: usize = 4096;
+/// Correlation ids remembered (a graph launch's kernels all use one).
+const MAX_ORIGINS: usize = 262_144;
+/// Activity records waiting for their API record.
+const MAX_PENDING: usize = 131_072;
+/// How long an activity record waits for its API record (GPU time; CUPTI delivers within its
+/// flush period, 0.5 s by default).
+pub const PENDING_AGE_NS: u64 = 5_000_000_000;
+/// How long a uprobe call waits for its API record.
+const RECENT_AGE_NS: u64 = 30_000_000_000;
+/// Kernel names tracked for the per-process top list.
+const MAX_TOP: usize = 1024;
+
+/// A launch/copy/memset call seen by the uprobes, as the join needs it.
+#[derive(Clone, Debug)]
+pub struct Recent {
+    pub ts_ns: u64,
+    pub api: &'static ApiSpec,
+    pub kernel: Option<Arc<KernelName>>,
+}
+
+/// The call that put a correlation id's work on the GPU.
+#[derive(Clone, Debug)]
+pub struct Origin {
+    pub tid: u32,
+    pub api: &'static ApiSpec,
+    /// The uprobe's entry timestamp of the call, when it was found.
+    pub launch_ts_ns: Option<u64>,
+    /// CUPTI's own timing of the call.
+    pub api_start_ns: u64,
+    pub api_end_ns: u64,
+    pub kernel: Option<Arc<KernelName>>,
+}
+
+/// A device's attributes, for theoretical occupancy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Device {
+    pub sm_count: u32,
+    pub max_threads_per_sm: u32,
+    pub max_blocks_per_sm: u32,
+    pub registers_per_sm: u32,
+    pub shared_mem_per_sm: u32,
+    pub reserved_shared_mem_per_block: u32,
+    pub warp_size: u32,
+    pub compute_capability: u32,
+}
+
+impl Device {
+    fn from_record(r: &GpuRecord) -> Self {
+        let a = |i: usize| r.aux[i].min(u64::from(u32::MAX)) as u32;
+        Self {
+            sm_count: a(device_aux::SM_COUNT),
+            max_threads_per_sm: a(device_aux::MAX_THREADS_PER_SM),
+            max_blocks_per_sm: a(device_aux::MAX_BLOCKS_PER_SM),
+            registers_per_sm: a(device_aux::REGISTERS_PER_SM),
+            shared_mem_per_sm: a(device_aux::SHARED_MEM_PER_SM),
+            reserved_shared_mem_per_block: a(device_aux::RESERVED_SHARED_MEM_PER_BLOCK),
+            warp_size: a(device_aux::WARP_SIZE),
+            compute_capability: a(device_aux::COMPUTE_CAPABILITY),
+        }
+    }
+
+    /// Theoretical occupancy (active warps / maximum warps per SM) of a kernel's launch, as the
+    /// CUDA occupancy calculator computes it: blocks per SM limited by threads, the block
+    /// limit, registers (allocated per warp in units of 256) and shared memory (allocated in
+    /// units of 128 bytes, plus what the system reserves per block).
+    pub fn occupancy(&self, threads_per_block: u64, registers_per_thread: u32, shared_mem: u64) -> Option<f64> {
+        let warp = u64::from(self.warp_size);
+        if warp == 0 || threads_per_block == 0 || self.max_threads_per_sm == 0 || self.max_blocks_per_sm == 0 {
+            return None;
+        }
+        let max_warps = u64::from(self.max_threads_per_sm) / warp;
+        let warps_per_block = threads_per_block.div_ceil(warp);
+        let mut blocks = (max_warps / warps_per_block).min(u64::from(self.max_blocks_per_sm));
+        if registers_per_thread > 0 {
+            let regs_per_warp = (u64::from(registers_per_thread) * warp).div_ceil(256) * 256;
+            blocks = blocks.min(u64::from(self.registers_per_sm) / (regs_per_warp * warps_per_block));
+        }
+        let smem = shared_mem + u64::from(self.reserved_shared_mem_per_block);
+        if smem > 0 && self.shared_mem_per_sm > 0 {
+            blocks = blocks.min(u64::from(self.shared_mem_per_sm) / (smem.div_ceil(128) * 128));
+        }
+        Some((blocks * warps_per_block) as f64 / max_warps as f64)
+    }
+}
+
+/// The injection library's latest status.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Status {
+    pub state: Option<CuptiState>,
+    pub cupti_result: u64,
+    pub cupti_dropped: u64,
+    pub rate_limited: u64,
+    pub forwarded: u64,
+    pub buffers: u64,
+    pub buffer_bytes: u64,
+    pub rate_limit: u64,
+}
+
+pub fn state_name(s: Option<CuptiState>) -> &'static str {
+    match s {
+        Some(CuptiState::Active) => "active",
+        Some(CuptiState::Busy) => "busy",
+        Some(CuptiState::NoCupti) => "no_cupti",
+        Some(CuptiState::Failed) => "failed",
+        Some(CuptiState::Idle) => "idle",
+        None => "unknown",
+    }
+}
+
+/// What the user should know about a state.
+pub fn state_message(s: Option<CuptiState>) -> &'static str {
+    match s {
+        Some(CuptiState::Active) => "CUPTI active: GPU start/end times are joined to launches",
+        Some(CuptiState::Busy) => {
+            "CUPTI is in use by another profiler (nsys, ncu, compute-sanitizer or an in-process profiler): observed with uprobes only"
+        }
+        Some(CuptiState::NoCupti) => {
+            "the injection library found no libcupti (set GPU_OBSERVER_CUPTI_PATH): observed with uprobes only"
+        }
+        Some(CuptiState::Failed) => "CUPTI could not be set up: observed with uprobes only",
+        Some(CuptiState::Idle) => "CUPTI collection stopped",
+        None => "unknown CUPTI state",
+    }
+}
+
+/// Per-process counts of GPU activity.
+#[derive(Clone, Debug, Default)]
+pub struct GpuStats {
+    pub kernels: u64,
+    pub memcpys: u64,
+    pub memsets: u64,
+    pub joined: u64,
+    pub unjoined: u64,
+    pub kernel_ns: u64,
+    pub memcpy_ns: u64,
+    pub memset_ns: u64,
+    pub queue_delay_ns: u64,
+    pub queue_delays: u64,
+    pub max_queue_delay_ns: u64,
+    pub api_records: u64,
+    /// API records whose uprobe call was not found (it ran before the observer attached).
+    pub api_unmatched: u64,
+    /// Kernels by demangled name: (count, GPU ns).
+    pub by_kernel: BTreeMap<Arc<str>, (u64, u64)>,
+    /// First and last GPU timestamps seen, for the busy fraction.
+    pub first_gpu_ns: u64,
+    pub last_gpu_ns: u64,
+}
+
+impl GpuStats {
+    /// Kernels by GPU time, most first.
+    pub fn top_kernels(&self, n: usize) -> Vec<(&str, u64, u64)> {
+        let mut v: Vec<(&str, u64, u64)> = self.by_kernel.iter().map(|(k, (c, ns))| (&**k, *c, *ns)).collect();
+        v.sort_by(|a, b| b.2.cmp(&a.2).then(a.0.cmp(b.0)));
+        v.truncate(n);
+        v
+    }
+}
+
+/// A GPU record joined to its launching call: one `gpu_kernel`/`gpu_memcpy`/`gpu_memset` line.
+#[derive(Clone, Debug)]
+pub struct GpuActivity {
+    pub pid: u32,
+    pub comm: [u8; 16],
+    pub rec: GpuRecord,
+    pub origin: Option<Origin>,
+    pub kernel: Option<Arc<KernelName>>,
+    pub occupancy: Option<f64>,
+    pub sm_count: Option<u32>,
+}
+
+impl GpuActivity {
+    pub fn kind(&self) -> Option<GpuRecordKind> {
+        GpuRecordKind::from_u32(self.rec.kind)
+    }
+
+    pub fn duration_ns(&self) -> u64 {
+        self.rec.end_ns.saturating_sub(self.rec.start_ns)
+    }
+
+    /// GPU start − the launching call's entry, when joined.
+    pub fn queue_delay_ns(&self) -> Option<i64> {
+        let launch = self.origin.as_ref()?.launch_ts_ns?;
+        Some(self.rec.start_ns as i64 - launch as i64)
+    }
+}
+
+/// The join state of one process that runs the injection library.
+#[derive(Debug, Default)]
+pub struct GpuState {
+    pub status: Status,
+    pub stats: GpuStats,
+    devices: HashMap<u32, Device>,
+    names: HashMap<u64, Arc<KernelName>>,
+    recent: HashMap<u32, VecDeque<Recent>>,
+    origins: HashMap<u32, Origin>,
+    origin_order: VecDeque<u32>,
+    pending: HashMap<u32, Vec<GpuRecord>>,
+    pending_order: VecDeque<(u32, u64)>,
+    pending_count: usize,
+}
+
+impl GpuState {
+    /// A launch/copy/memset call of this process, seen by the uprobes.
+    pub fn call(&mut self, tid: u32, r: Recent) {
+        if !self.recent.contains_key(&tid) && self.recent.len() >= MAX_THREADS {
+            return;
+        }
+        let q = self.recent.entry(tid).or_default();
+        while q.front().is_some_and(|f| f.ts_ns + RECENT_AGE_NS < r.ts_ns) || q.len() >= MAX_RECENT_PER_THREAD {
+            q.pop_front();
+        }
+        q.push_back(r);
+    }
+
+    pub fn name(&mut self, key: u64, name: Arc<KernelName>) {
+        if self.names.len() < 65_536 || self.names.contains_key(&key) {
+            self.names.insert(key, name);
+        }
+    }
+
+    /// Folds in one record; joined activity goes to `out`. Returns the new state when a
+    /// status record changed it.
+    pub fn record(&mut self, pid: u32, comm: [u8; 16], rec: &GpuRecord, out: &mut Vec<GpuActivity>) -> Option<Status> {
+        match GpuRecordKind::from_u32(rec.kind)? {
+            GpuRecordKind::Status => {
+                let a = |i: usize| rec.aux[i];
+                let new = Status {
+                    state: CuptiState::from_u64(a(status_aux::STATE)),
+                    cupti_result: a(status_aux::CUPTI_RESULT),
+                    cupti_dropped: a(status_aux::CUPTI_DROPPED),
+                    rate_limited: a(status_aux::RATE_LIMITED),
+                    forwarded: a(status_aux::FORWARDED),
+                    buffers: a(status_aux::BUFFERS),
+                    buffer_bytes: a(status_aux::BUFFER_BYTES),
+                    rate_limit: a(status_aux::RATE_LIMIT),
+                };
+                let changed = new.state != self.status.state;
+                self.status = new;
+                changed.then_some(new)
+            }
+            GpuRecordKind::Device => {
+                self.devices.insert(rec.device, Device::from_record(rec));
+                None
+            }
+            GpuRecordKind::Api => {
+                self.api(rec, pid, comm, out);
+                None
+            }
+            GpuRecordKind::Kernel | GpuRecordKind::Memcpy | GpuRecordKind::Memset => {
+                if self.origins.contains_key(&rec.correlation_id) {
+                    self.emit(pid, comm, *rec, out);
+                } else {
+                    self.park(pid, comm, *rec, out);
+                }
+                None
+            }
+        }
+    }
+
+    fn api(&mut self, rec: &GpuRecord, pid: u32, comm: [u8; 16], out: &mut Vec<GpuActivity>) {
+        let Some(spec) = cupti::api_of_cbid(rec.cbid).and_then(api::id_of).and_then(api::by_id) else {
+            return;
+        };
+        self.stats.api_records += 1;
+        let found = self.recent.get_mut(&rec.tid).and_then(|q| {
+            let i = q
+                .iter()
+                .rposition(|r| std::ptr::eq(r.api, spec) && r.ts_ns <= rec.end_ns)?;
+            q.remove(i)
+        });
+        if found.is_none() {
+            self.stats.api_unmatched += 1;
+        }
+        let origin = Origin {
+            tid: rec.tid,
+            api: spec,
+            launch_ts_ns: found.as_ref().map(|r| r.ts_ns),
+            api_start_ns: rec.start_ns,
+            api_end_ns: rec.end_ns,
+            kernel: found.and_then(|r| r.kernel),
+        };
+        if self.origins.len() >= MAX_ORIGINS
+            && let Some(old) = self.origin_order.pop_front()
+        {
+            self.origins.remove(&old);
+        }
+        if self.origins.insert(rec.correlation_id, origin).is_none() {
+            self.origin_order.push_back(rec.correlation_id);
+        }
+        if let Some(waiting) = self.pending.remove(&rec.correlation_id) {
+            self.pending_count -= waiting.len();
+            for r in waiting {
+                self.emit(pid, comm, r, out);
+            }
+        }
+    }
+
+    fn park(&mut self, pid: u32, comm: [u8; 16], rec: GpuRecord, out: &mut Vec<GpuActivity>) {
+        if self.pending_count >= MAX_PENDING {
+            // Bound hit: the oldest half goes out unjoined.
+            self.expire_while(pid, comm, out, |_, waiting| waiting > MAX_PENDING / 2);
+        }
+        if self.pending_order.len() > 2 * MAX_PENDING {
+            // Entries of ids joined since are stale: drop them.
+            let pending = &self.pending;
+            self.pending_order.retain(|(c, _)| pending.contains_key(c));
+        }
+        self.pending.entry(rec.correlation_id).or_default().push(rec);
+        self.pending_order.push_back((rec.correlation_id, rec.start_ns));
+        self.pending_count += 1;
+    }
+
+    /// Emits, unjoined, the activity records that started before `before_ns` and still wait
+    /// for their API record (`u64::MAX`: all of them, at exit).
+    pub fn expire(&mut self, pid: u32, comm: [u8; 16], before_ns: u64, out: &mut Vec<GpuActivity>) {
+        self.expire_while(pid, comm, out, |ts, _| before_ns == u64::MAX || ts < before_ns);
+    }
+
+    fn expire_while(
+        &mut self,
+        pid: u32,
+        comm: [u8; 16],
+        out: &mut Vec<GpuActivity>,
+        go_on: impl Fn(u64, usize) -> bool,
+    ) {
+        while let Some(&(corr, ts)) = self.pending_order.front() {
+            if !go_on(ts, self.pending_count) {
+                break;
+            }
+            self.pending_order.pop_front();
+            if let Some(waiting) = self.pending.remove(&corr) {
+                self.pending_count -= waiting.len();
+                for r in waiting {
+                    self.emit(pid, comm, r, out);
+                }
+            }
+        }
+    }
+
+    /// Whether activity is waiting for its API record.
+    pub fn has_pending(&self) -> bool {
+        self.pending_count > 0
+    }
+
+    fn emit(&mut self, pid: u32, comm: [u8; 16], rec: GpuRecord, out: &mut Vec<GpuActivity>) {
+        let origin = self.origins.get(&rec.correlation_id).cloned();
+        let s = &mut self.stats;
+        let dur = rec.end_ns.saturating_sub(rec.start_ns);
+        if s.first_gpu_ns == 0 || rec.start_ns < s.first_gpu_ns {
+            s.first_gpu_ns = rec.start_ns;
+        }
+        s.last_gpu_ns = s.last_gpu_ns.max(rec.end_ns);
+        if origin.as_ref().is_some_and(|o| o.launch_ts_ns.is_some()) {
+            s.joined += 1;
+        } else {
+            s.unjoined += 1;
+        }
+        let mut kernel = None;
+        let mut occupancy = None;
+        let mut sm_count = None;
+        match GpuRecordKind::from_u32(rec.kind) {
+            Some(GpuRecordKind::Kernel) => {
+                s.kernels += 1;
+                s.kernel_ns += dur;
+                kernel = self
+                    .names
+                    .get(&rec.name_key)
+                    .cloned()
+                    .or_else(|| origin.as_ref().and_then(|o| o.kernel.clone()));
+                if let Some(k) = &kernel
+                    && (s.by_kernel.len() < MAX_TOP || s.by_kernel.contains_key(&*k.demangled))
+                {
+                    let e = s.by_kernel.entry(Arc::from(&*k.demangled)).or_default();
+                    e.0 += 1;
+                    e.1 += dur;
+                }
+                if let Some(d) = self.devices.get(&rec.device) {
+                    sm_count = Some(d.sm_count);
+                    let threads = rec.block.iter().map(|&b| u64::from(b.max(0) as u32)).product();
+                    let smem = u64::from(rec.static_shared_mem) + u64::from(rec.dynamic_shared_mem);
+                    occupancy = d.occupancy(threads, rec.registers_per_thread, smem);
+                }
+            }
+            Some(GpuRecordKind::Memcpy) => {
+                s.memcpys += 1;
+                s.memcpy_ns += dur;
+            }
+            _ => {
+                s.memsets += 1;
+                s.memset_ns += dur;
+            }
+        }
+        if let Some(launch) = origin.as_ref().and_then(|o| o.launch_ts_ns)
+            && rec.start_ns >= launch
+        {
+            let delay = rec.start_ns - launch;
+            s.queue_delay_ns += delay;
+            s.queue_delays += 1;
+            s.max_queue_delay_ns = s.max_queue_delay_ns.max(delay);
+        }
+        out.push(GpuActivity {
+            pid,
+            comm,
+            rec,
+            origin,
+            kernel,
+            occupancy,
+            sm_count,
+        });
+    }
+}
+
+/// CUPTI_ACTIVITY_MEMCPY_KIND_* as written in JSON.
+pub fn copy_kind_name(k: u32) -> &'static str {
+    match k {
+        1 => "htod",
+        2 => "dtoh",
+        3 => "htoa",
+        4 => "atoh",
+        5 => "atoa",
+        6 => "atod",
+        7 => "dtoa",
+        8 => "dtod",
+        9 => "htoh",
+        10 => "ptop",
+        _ => "unknown",
+    }
+}
+
+/// CUPTI_ACTIVITY_MEMORY_KIND_* as written in JSON.
+pub fn memory_kind_name(k: u16) -> &'static str {
+    match k {
+        1 => "pageable",
+        2 => "pinned",
+        3 => "device",
+        4 => "array",
+        5 => "managed",
+        6 => "device_static",
+        7 => "managed_static",
+        _ => "unknown",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H100: Device = Device {
+        sm_count: 132,
+        max_threads_per_sm: 2048,
+        max_blocks_per_sm: 32,
+        registers_per_sm: 65536,
+        shared_mem_per_sm: 233_472,
+        reserved_shared_mem_per_block: 1024,
+        warp_size: 32,
+        compute_capability: 90,
+    };
+
+    #[test]
+    fn occupancy_follows_the_calculator() {
+        // 256 threads, 32 registers: 8 blocks by threads and by registers → 64/64 warps.
+        assert_eq!(H100.occupancy(256, 32, 0), Some(1.0));
+        // 64 registers: 2048 per warp, 16384 per block → 4 blocks → 32 warps.
+        assert_eq!(H100.occupancy(256, 64, 0), Some(0.5));
+        // 48 KiB of shared memory (+1 KiB reserved) per block: 4 blocks of 8 warps.
+        assert_eq!(H100.occupancy(256, 32, 48 * 1024), Some(0.5));
+        // One thread per block: the 32-block limit leaves 32 of 64 warps.
+        assert_eq!(H100.occupancy(1, 0, 0), Some(0.5));
+        assert_eq!(Device::default().occupancy(256, 32, 0), None);
+    }
+
+    fn api_rec(corr: u32, tid: u32, cbid: u32, start: u64, end: u64) -> GpuRecord {
+        GpuRecord {
+            kind: GpuRecordKind::Api as u32,
+            correlation_id: corr,
+            tid,
+            cbid,
+            start_ns: start,
+            end_ns: end,
+            ..Default::default()
+        }
+    }
+
+    fn kernel_rec(corr: u32, start: u64, end: u64) -> GpuRecord {
+        GpuRecord {
+            kind: GpuRecordKind::Kernel as u32,
+            correlation_id: corr,
+            start_ns: start,
+            end_ns: end,
+            block: [128, 1, 1],
+            registers_per_thread: 32,
+            ..Default::default()
+        }
+    }
+
+    fn launch(ts: u64) -> Recent {
+        Recent {
+            ts_ns: ts,
+            api: api::by_id(api::id_of("cuLaunchKernel").unwrap()).unwrap(),
+            kernel: Some(Arc::new(KernelName::new("k"))),
+        }
+    }
+
+    #[test]
+    fn activity_joins_its_launch_in_either_order() {
+        let mut g = GpuState::default();
+        let mut out = Vec::new();
+        g.call(7, launch(1_000));
+        g.call(7, launch(5_000));
+        // Kernel of the second launch before its API record: it waits.
+        g.record(1, [0; 16], &kernel_rec(2, 9_000, 12_000), &mut out);
+        assert!(out.is_empty() && g.has_pending());
+        g.record(1, [0; 16], &api_rec(1, 7, 307, 1_200, 2_000), &mut out);
+        g.record(1, [0; 16], &api_rec(2, 7, 307, 5_300, 6_000), &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].origin.as_ref().unwrap().launch_ts_ns, Some(5_000));
+        assert_eq!(out[0].queue_delay_ns(), Some(4_000));
+        assert_eq!(out[0].kernel.as_ref().unwrap().demangled.as_ref(), "k");
+        g.record(1, [0; 16], &kernel_rec(1, 3_000, 4_000), &mut out);
+        assert_eq!(out[1].origin.as_ref().unwrap().launch_ts_ns, Some(1_000));
+        assert_eq!((g.stats.joined, g.stats.unjoined, g.stats.kernel_ns), (2, 0, 4_000));
+        assert!(!g.has_pending());
+    }
+
+    #[test]
+    fn unmatched_activity_ages_out_counted() {
+        let mut g = GpuState::default();
+        let mut out = Vec::new();
+        g.record(1, [0; 16], &kernel_rec(9, 100, 200), &mut out);
+        g.expire(1, [0; 16], 50, &mut out);
+        assert!(out.is_empty(), "not old enough");
+        g.expire(1, [0; 16], 101, &mut out);
+        assert_eq!(out.len(), 1);
+        assert!(out[0].origin.is_none());
+        assert_eq!((g.stats.joined, g.stats.unjoined), (0, 1));
+        // An API record whose call the uprobes never saw: joined to nothing, counted.
+        g.record(1, [0; 16], &api_rec(3, 7, 307, 1, 2), &mut out);
+        assert_eq!(g.stats.api_unmatched, 1);
+    }
+
+    #[test]
+    fn status_changes_are_reported_once() {
+        let mut g = GpuState::default();
+        let mut out = Vec::new();
+        let mut st = GpuRecord {
+            kind: GpuRecordKind::Status as u32,
+            ..Default::default()
+        };
+        st.aux[status_aux::STATE] = CuptiState::Busy as u64;
+        st.aux[status_aux::CUPTI_RESULT] = 39;
+        let s = g.record(1, [0; 16], &st, &mut out).expect("changed");
+        assert_eq!((s.state, s.cupti_result), (Some(CuptiState::Busy), 39));
+        assert_eq!(g.record(1, [0; 16], &st, &mut out), None);
+    }
+}

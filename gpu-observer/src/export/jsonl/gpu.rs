@@ -1,0 +1,161 @@
+//! `gpu_kernel`, `gpu_memcpy`, `gpu_memset` and `cupti` lines, and the `cupti` block of a
+//! process summary.
+
+use std::io::{self, Write};
+
+use gpu_observer_common::cupti::GpuRecordKind;
+
+use super::{JsonlWriter, OptNum, opt_str};
+use crate::{
+    correlate::gpu::{GpuActivity, GpuState, Status, copy_kind_name, memory_kind_name, state_message, state_name},
+    export::{
+        attributes::{Value, span_attributes},
+        bandwidth_mbps,
+    },
+};
+
+/// Slot of each GPU line type in `sampled_out`.
+const SAMPLED_SLOT: [usize; 3] = [3, 4, 5];
+
+impl<W: Write> JsonlWriter<W> {
+    /// One joined GPU record, subject to adaptive sampling by its GPU duration.
+    pub fn gpu(&mut self, a: &GpuActivity) -> io::Result<()> {
+        let (ty, slot) = match a.kind() {
+            Some(GpuRecordKind::Kernel) => ("gpu_kernel", SAMPLED_SLOT[0]),
+            Some(GpuRecordKind::Memcpy) => ("gpu_memcpy", SAMPLED_SLOT[1]),
+            Some(GpuRecordKind::Memset) => ("gpu_memset", SAMPLED_SLOT[2]),
+            _ => return Ok(()),
+        };
+        let dur = a.duration_ns();
+        if !self.trace_all && dur < self.threshold_ns {
+            self.sampled_out[slot] += 1;
+            return Ok(());
+        }
+        let r = &a.rec;
+        let o = a.origin.as_ref();
+        let end = a.comm.iter().position(|&b| b == 0).unwrap_or(a.comm.len());
+        let comm = std::str::from_utf8(&a.comm[..end]).unwrap_or("?");
+        self.head(ty, r.start_ns, a.pid, o.map_or(0, |o| o.tid), comm)?;
+        let out = &mut self.out;
+        opt_str(out, "api", o.map(|o| o.api.name))?;
+        write!(
+            out,
+            ",\"correlation_id\":{},\"gpu_start_ns\":{},\"gpu_end_ns\":{},\"gpu_duration_ns\":{dur},\"launch_ts_ns\":{},\"queue_delay_ns\":{},\"cupti_api_start_ns\":{},\"cupti_api_end_ns\":{},\"device\":{},\"context\":{},\"stream\":{},\"graph_id\":{}",
+            r.correlation_id,
+            r.start_ns,
+            r.end_ns,
+            OptNum(o.and_then(|o| o.launch_ts_ns)),
+            a.queue_delay_ns().map_or_else(|| "null".to_string(), |d| d.to_string()),
+            OptNum(o.map(|o| o.api_start_ns)),
+            OptNum(o.map(|o| o.api_end_ns)),
+            r.device,
+            r.context,
+            r.stream,
+            OptNum((r.graph_id != 0).then_some(u64::from(r.graph_id)))
+        )?;
+        match a.kind() {
+            Some(GpuRecordKind::Kernel) => {
+                opt_str(out, "kernel", a.kernel.as_ref().map(|k| &*k.demangled))?;
+                opt_str(out, "kernel_mangled", a.kernel.as_ref().map(|k| &*k.mangled))?;
+                write!(
+                    out,
+                    ",\"grid\":[{},{},{}],\"block\":[{},{},{}],\"registers_per_thread\":{},\"static_shared_mem_bytes\":{},\"dynamic_shared_mem_bytes\":{},\"occupancy\":",
+                    r.grid[0],
+                    r.grid[1],
+                    r.grid[2],
+                    r.block[0],
+                    r.block[1],
+                    r.block[2],
+                    r.registers_per_thread,
+                    r.static_shared_mem,
+                    r.dynamic_shared_mem
+                )?;
+                match a.occupancy {
+                    Some(v) => write!(out, "{v:.4}")?,
+                    None => out.write_all(b"null")?,
+                }
+            }
+            Some(GpuRecordKind::Memcpy) => write!(
+                out,
+                ",\"bytes\":{},\"copy_kind\":\"{}\",\"src_kind\":\"{}\",\"dst_kind\":\"{}\",\"bandwidth_mbps\":{:.3}",
+                r.bytes,
+                copy_kind_name(r.copy_kind),
+                memory_kind_name(r.src_kind),
+                memory_kind_name(r.dst_kind),
+                bandwidth_mbps(r.bytes, dur)
+            )?,
+            _ => write!(
+                out,
+                ",\"bytes\":{},\"value\":{},\"memory_kind\":\"{}\"",
+                r.bytes,
+                r.copy_kind,
+                memory_kind_name(r.dst_kind)
+            )?,
+        }
+        let slow = dur > self.threshold_ns;
+        write!(out, ",\"is_slow\":{slow},\"attributes\":{{")?;
+        for (i, (k, v)) in span_attributes(a, self.threshold_ns / 1000, slow).into_iter().enumerate() {
+            write!(out, "{}\"{k}\":", if i == 0 { "" } else { "," })?;
+            match v {
+                Value::Str(s) => serde_json::to_writer(&mut *out, &s).map_err(io::Error::other)?,
+                Value::Int(n) => write!(out, "{n}")?,
+                Value::Float(f) => write!(out, "{f:.4}")?,
+                Value::Bool(b) => write!(out, "{b}")?,
+            }
+        }
+        out.write_all(b"}}\n")
+    }
+
+    /// A process's CUPTI state changed (active, busy next to another profiler, ...).
+    pub fn cupti(&mut self, pid: u32, ts_ns: u64, comm: &str, s: &Status) -> io::Result<()> {
+        self.head("cupti", ts_ns, pid, pid, comm)?;
+        write!(
+            self.out,
+            ",\"state\":\"{}\",\"cupti_result\":{}",
+            state_name(s.state),
+            s.cupti_result
+        )?;
+        opt_str(&mut self.out, "message", Some(state_message(s.state)))?;
+        self.out.write_all(b"}\n")
+    }
+
+    /// The `"cupti":{...}` block of a process summary (`null` without the injection library).
+    pub(super) fn gpu_summary(&mut self, g: Option<&GpuState>) -> io::Result<()> {
+        let o = &mut self.out;
+        let Some(g) = g else {
+            return o.write_all(b",\"cupti\":null");
+        };
+        let (s, st) = (&g.stats, &g.status);
+        write!(
+            o,
+            ",\"cupti\":{{\"state\":\"{}\",\"cupti_result\":{},\"kernels\":{},\"memcpys\":{},\"memsets\":{},\"joined\":{},\"unjoined\":{},\"api_records\":{},\"api_unmatched\":{},\"gpu_kernel_ns\":{},\"gpu_memcpy_ns\":{},\"gpu_memset_ns\":{},\"gpu_span_ns\":{},\"queue_delay_avg_ns\":{},\"queue_delay_max_ns\":{},\"cupti_dropped\":{},\"rate_limited\":{},\"forwarded\":{},\"buffers\":{},\"buffer_bytes\":{},\"rate_limit\":{},\"top_kernels\":[",
+            state_name(st.state),
+            st.cupti_result,
+            s.kernels,
+            s.memcpys,
+            s.memsets,
+            s.joined,
+            s.unjoined,
+            s.api_records,
+            s.api_unmatched,
+            s.kernel_ns,
+            s.memcpy_ns,
+            s.memset_ns,
+            s.last_gpu_ns.saturating_sub(s.first_gpu_ns),
+            s.queue_delay_ns.checked_div(s.queue_delays).unwrap_or(0),
+            s.max_queue_delay_ns,
+            st.cupti_dropped,
+            st.rate_limited,
+            st.forwarded,
+            st.buffers,
+            st.buffer_bytes,
+            st.rate_limit
+        )?;
+        for (i, (name, count, ns)) in s.top_kernels(10).into_iter().enumerate() {
+            o.write_all(if i == 0 { b"{\"kernel\":" } else { b",{\"kernel\":" })?;
+            serde_json::to_writer(&mut *o, name).map_err(io::Error::other)?;
+            write!(o, ",\"count\":{count},\"gpu_ns\":{ns}}}")?;
+        }
+        o.write_all(b"]}")
+    }
+}
