@@ -181,15 +181,30 @@ mod tests {
         put(&mut r, 104, 0xdead_beefu64.to_ne_bytes());
         r[136] = 1;
         put(&mut r, 156, 42u32.to_ne_bytes());
-        let Converted::Kernel(g, name) = convert(&r) else { panic!() };
+        let Converted::Kernel(g, name) = convert(&r) else {
+            panic!()
+        };
         assert_eq!(name, 0xdead_beef);
         assert_eq!(
-            (g.registers_per_thread, g.start_ns, g.end_ns, g.device, g.context, g.stream),
+            (
+                g.registers_per_thread,
+                g.start_ns,
+                g.end_ns,
+                g.device,
+                g.context,
+                g.stream
+            ),
             (40, 5_000, 8_000, 1, 2, 13)
         );
         assert_eq!((g.grid, g.block), ([3, 2, 1], [128, 4, 1]));
         assert_eq!(
-            (g.static_shared_mem, g.dynamic_shared_mem, g.correlation_id, g.cbid, g.graph_id),
+            (
+                g.static_shared_mem,
+                g.dynamic_shared_mem,
+                g.correlation_id,
+                g.cbid,
+                g.graph_id
+            ),
             (256, 1024, 55, 1, 42)
         );
     }
@@ -204,7 +219,10 @@ mod tests {
         put(&mut r, 8, 4096u64.to_ne_bytes());
         put(&mut r, 44, 7u32.to_ne_bytes());
         let Converted::Record(g) = convert(&r) else { panic!() };
-        assert_eq!((g.kind, g.copy_kind, g.src_kind, g.dst_kind, g.bytes, g.correlation_id), (3, 1, 2, 3, 4096, 7));
+        assert_eq!(
+            (g.kind, g.copy_kind, g.src_kind, g.dst_kind, g.bytes, g.correlation_id),
+            (3, 1, 2, 3, 4096, 7)
+        );
         let mut m = [0u8; 88];
         put(&mut m, 0, kind::MEMSET.to_ne_bytes());
         put(&mut m, 4, 0xabu32.to_ne_bytes());
@@ -212,7 +230,10 @@ mod tests {
         put(&mut m, 44, 8u32.to_ne_bytes());
         put(&mut m, 50, 3u16.to_ne_bytes());
         let Converted::Record(g) = convert(&m) else { panic!() };
-        assert_eq!((g.kind, g.copy_kind, g.bytes, g.correlation_id, g.dst_kind), (4, 0xab, 64, 8, 3));
+        assert_eq!(
+            (g.kind, g.copy_kind, g.bytes, g.correlation_id, g.dst_kind),
+            (4, 0xab, 64, 8, 3)
+        );
     }
 
     #[test]

@@ -102,8 +102,9 @@ impl Config {
     pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Self {
         let num = |k: &str| get(k).and_then(|v| v.trim().parse::<u64>().ok());
         Self {
-            buffer_bytes: num("GPU_OBSERVER_CUDA_BUFFER_SIZE")
-                .map_or(Self::DEFAULT_BUFFER_BYTES, |v| v.clamp(64 * 1024, 256 * 1024 * 1024) as usize),
+            buffer_bytes: num("GPU_OBSERVER_CUDA_BUFFER_SIZE").map_or(Self::DEFAULT_BUFFER_BYTES, |v| {
+                v.clamp(64 * 1024, 256 * 1024 * 1024) as usize
+            }),
             rate_limit: num("GPU_OBSERVER_CUPTI_RATE_LIMIT").unwrap_or(Self::DEFAULT_RATE_LIMIT),
             flush: Duration::from_millis(num("GPU_OBSERVER_CUPTI_FLUSH_MS").unwrap_or(500).clamp(10, 60_000)),
             cupti_path: get("GPU_OBSERVER_CUPTI_PATH").filter(|p| !p.is_empty()),
@@ -250,11 +251,9 @@ fn warn(msg: &str) {
 }
 
 fn spawn_control() {
-    let _ = std::thread::Builder::new()
-        .name("gpu-observer-cupti".into())
-        .spawn(|| {
-            let _ = catch_unwind(control);
-        });
+    let _ = std::thread::Builder::new().name("gpu-observer-cupti".into()).spawn(|| {
+        let _ = catch_unwind(control);
+    });
 }
 
 /// Follows the semaphore: enable when an observer comes, flush while it stays, disable when
@@ -492,9 +491,9 @@ fn send_devices() {
     type GetCount = unsafe extern "C" fn(*mut c_int) -> c_int;
     type GetAttr = unsafe extern "C" fn(*mut c_int, c_int, c_int) -> c_int;
     // SAFETY: RTLD_NOLOAD only finds the libcuda this process has already loaded.
-    let Ok(lib) = (unsafe {
-        libloading::os::unix::Library::open(Some("libcuda.so.1"), libc::RTLD_NOW | libc::RTLD_NOLOAD)
-    }) else {
+    let Ok(lib) =
+        (unsafe { libloading::os::unix::Library::open(Some("libcuda.so.1"), libc::RTLD_NOW | libc::RTLD_NOLOAD) })
+    else {
         return;
     };
     // SAFETY: driver API signatures from cuda.h.
@@ -575,7 +574,11 @@ mod tests {
         let mut b = Bucket::new(3, t0);
         assert_eq!((0..5).filter(|_| b.take(t0)).count(), 3);
         let t1 = t0 + Duration::from_millis(700);
-        assert_eq!((0..5).filter(|_| b.take(t1)).count(), 2, "0.7 s at 3/s refills 2.1 tokens");
+        assert_eq!(
+            (0..5).filter(|_| b.take(t1)).count(),
+            2,
+            "0.7 s at 3/s refills 2.1 tokens"
+        );
         let mut unlimited = Bucket::new(0, t0);
         assert!((0..1000).all(|_| unlimited.take(t0)));
     }

@@ -91,7 +91,12 @@ pub enum Command {
     /// its exit status. CMD runs as the observer's user.
     Run {
         /// The command and its arguments (after `--`).
-        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "CMD")]
+        #[arg(
+            required = true,
+            trailing_var_arg = true,
+            allow_hyphen_values = true,
+            value_name = "CMD"
+        )]
         command: Vec<OsString>,
     },
 }
@@ -143,7 +148,10 @@ mod tests {
             Some(Command::Run { command }) => assert_eq!(command, ["python3", "-u", "train.py"]),
             None => panic!("no run"),
         }
-        assert_eq!((c.cuda_buffer_size, c.cupti_rate_limit, c.no_cupti), (8 << 20, 1_000_000, false));
+        assert_eq!(
+            (c.cuda_buffer_size, c.cupti_rate_limit, c.no_cupti),
+            (8 << 20, 1_000_000, false)
+        );
     }
 
     #[test]

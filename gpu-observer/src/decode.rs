@@ -32,7 +32,10 @@ pub enum Body {
     /// A record from the CUPTI injection library (joined by correlate).
     Gpu(GpuRecord),
     /// A kernel name CUPTI reported, under its name pointer.
-    GpuName { key: u64, name: Arc<KernelName> },
+    GpuName {
+        key: u64,
+        name: Arc<KernelName>,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -118,9 +118,7 @@ pub fn start(cmd: &[OsString], cli: &Cli) -> Result<Spawned> {
                 return Err(std::io::Error::last_os_error());
             }
             if let Some((uid, gid, name)) = &drop_to
-                && (libc::initgroups(name.as_ptr(), *gid) != 0
-                    || libc::setgid(*gid) != 0
-                    || libc::setuid(*uid) != 0)
+                && (libc::initgroups(name.as_ptr(), *gid) != 0 || libc::setgid(*gid) != 0 || libc::setuid(*uid) != 0)
             {
                 return Err(std::io::Error::last_os_error());
             }

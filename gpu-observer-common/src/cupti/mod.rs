@@ -255,7 +255,11 @@ mod tests {
                 Family::Launch | Family::LaunchEx | Family::GraphLaunch | Family::Memcpy | Family::Memset
             )
         }) {
-            assert!(DRIVER_CBIDS.iter().any(|(_, n)| *n == spec.name), "{} lacks a cbid", spec.name);
+            assert!(
+                DRIVER_CBIDS.iter().any(|(_, n)| *n == spec.name),
+                "{} lacks a cbid",
+                spec.name
+            );
         }
         assert_eq!(api_of_cbid(1), None);
     }

@@ -29,7 +29,11 @@ pub fn span_attributes(a: &GpuActivity, threshold_us: u64, is_slow: bool) -> Vec
                 ("gpu.backend", Value::Str("cuda".into())),
                 (
                     "gpu.kernel",
-                    Value::Str(a.kernel.as_ref().map_or_else(|| "unknown".into(), |k| k.demangled.to_string())),
+                    Value::Str(
+                        a.kernel
+                            .as_ref()
+                            .map_or_else(|| "unknown".into(), |k| k.demangled.to_string()),
+                    ),
                 ),
                 ("gpu.duration_us", Value::Int(duration_us)),
                 ("gpu.cuda.device_id", Value::Int(i64::from(r.device))),
@@ -49,7 +53,10 @@ pub fn span_attributes(a: &GpuActivity, threshold_us: u64, is_slow: bool) -> Vec
                     "gpu.cuda.shared_mem_bytes",
                     Value::Int(i64::from(r.static_shared_mem) + i64::from(r.dynamic_shared_mem)),
                 ),
-                ("gpu.cuda.registers_per_thread", Value::Int(i64::from(r.registers_per_thread))),
+                (
+                    "gpu.cuda.registers_per_thread",
+                    Value::Int(i64::from(r.registers_per_thread)),
+                ),
                 ("gpu.is_slow", Value::Bool(is_slow)),
                 ("gpu.threshold_us", Value::Int(threshold_us as i64)),
             ]);

@@ -321,6 +321,12 @@ fn gpu_summary(out: &mut String, g: &crate::correlate::gpu::GpuState) {
         s.joined, s.unjoined, st.cupti_dropped, st.rate_limited
     );
     for (name, count, ns) in s.top_kernels(5) {
-        let _ = writeln!(out, "    {:>9.3} ms {:>8}× {}", ns as f64 / 1e6, count, shorten(name, 70));
+        let _ = writeln!(
+            out,
+            "    {:>9.3} ms {:>8}× {}",
+            ns as f64 / 1e6,
+            count,
+            shorten(name, 70)
+        );
     }
 }

@@ -94,7 +94,10 @@ impl<W: Write> JsonlWriter<W> {
         }
         let slow = dur > self.threshold_ns;
         write!(out, ",\"is_slow\":{slow},\"attributes\":{{")?;
-        for (i, (k, v)) in span_attributes(a, self.threshold_ns / 1000, slow).into_iter().enumerate() {
+        for (i, (k, v)) in span_attributes(a, self.threshold_ns / 1000, slow)
+            .into_iter()
+            .enumerate()
+        {
             write!(out, "{}\"{k}\":", if i == 0 { "" } else { "," })?;
             match v {
                 Value::Str(s) => serde_json::to_writer(&mut *out, &s).map_err(io::Error::other)?,
