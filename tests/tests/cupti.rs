@@ -373,3 +373,35 @@ fn run_exits_with_the_status_of_the_program() {
         "{err}"
     );
 }
+
+#[test]
+fn the_rate_limit_counts_every_record_it_holds_back() {
+    let _g = serial();
+    require_root();
+    let dir = scratch("cupti-rate");
+    let mut w = start_workload(&dir, &[("GPU_OBSERVER_CUPTI_RATE_LIMIT", "20")]);
+    let agent = Agent::start(&dir, &["--pid", &w.pid.to_string()]);
+    agent.wait_stderr("attached", Duration::from_secs(10));
+    w.cmd("init");
+    agent.wait_stderr("CUPTI active", Duration::from_secs(10));
+    w.cmd(&format!("run 2 2 {}", dir.join("expected.jsonl").display()));
+    // Let the library flush (every 50 ms here) and report its counters (every second).
+    std::thread::sleep(Duration::from_millis(1500));
+    let delivered = cupti_stats(&mut w)["records"].as_u64().unwrap();
+    let pid = w.pid;
+    w.exit();
+    let cap = agent.finish();
+    let c = &cap.process_summary(pid)["cupti"];
+    let (forwarded, limited) = (c["forwarded"].as_u64().unwrap(), c["rate_limited"].as_u64().unwrap());
+    assert!(limited > 0 && forwarded >= 20, "{c}");
+    assert_eq!(
+        forwarded + limited,
+        delivered,
+        "every record CUPTI delivered is forwarded or counted: {c}"
+    );
+    // Records held back leave their partners unjoined, counted, not silently lost.
+    assert_eq!(
+        c["joined"].as_u64().unwrap() + c["unjoined"].as_u64().unwrap(),
+        c["kernels"].as_u64().unwrap() + c["memcpys"].as_u64().unwrap() + c["memsets"].as_u64().unwrap()
+    );
+}
