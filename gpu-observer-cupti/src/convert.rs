@@ -14,13 +14,14 @@ pub mod kind {
     pub const MEMSET: u32 = 2;
     pub const KERNEL: u32 = 3;
     pub const DRIVER: u32 = 4;
+    pub const RUNTIME: u32 = 5;
     pub const CONCURRENT_KERNEL: u32 = 10;
 }
 
 /// Bytes of each record kind read here (the smallest version's size; a read never goes past it).
 pub fn readable_len(kind_value: u32) -> usize {
     match kind_value {
-        kind::DRIVER => 40,
+        kind::DRIVER | kind::RUNTIME => 40,
         kind::KERNEL | kind::CONCURRENT_KERNEL => 160,
         kind::MEMCPY => 76,
         kind::MEMSET => 76,
@@ -64,13 +65,15 @@ pub fn convert(r: &[u8]) -> Converted {
         return Converted::Skip;
     }
     match k {
-        kind::DRIVER => {
+        kind::DRIVER | kind::RUNTIME => {
             let cbid = u32_at(r, 4);
-            if cupti::api_of_cbid(cbid).is_none() {
-                return Converted::Skip;
-            }
+            let record_kind = match k {
+                kind::DRIVER if cupti::api_of_cbid(cbid).is_some() => GpuRecordKind::Api,
+                kind::RUNTIME if cupti::runtime_api_of_cbid(cbid).is_some() => GpuRecordKind::RuntimeApi,
+                _ => return Converted::Skip,
+            };
             Converted::Record(GpuRecord {
-                kind: GpuRecordKind::Api as u32,
+                kind: record_kind as u32,
                 cbid,
                 start_ns: u64_at(r, 8),
                 end_ns: u64_at(r, 16),
@@ -159,6 +162,13 @@ mod tests {
             (GpuRecordKind::Api as u32, 307, 1_000, 4_000, 78, 9)
         );
         put(&mut r, 4, 17u32.to_ne_bytes()); // not a work call
+        assert_eq!(convert(&r), Converted::Skip);
+        // The runtime's launch: same layout, its own callback ids.
+        put(&mut r, 0, kind::RUNTIME.to_ne_bytes());
+        put(&mut r, 4, 211u32.to_ne_bytes()); // cudaLaunchKernel
+        let Converted::Record(g) = convert(&r) else { panic!() };
+        assert_eq!((g.kind, g.cbid, g.tid), (GpuRecordKind::RuntimeApi as u32, 211, 78));
+        put(&mut r, 4, 307u32.to_ne_bytes()); // a driver id means nothing here
         assert_eq!(convert(&r), Converted::Skip);
     }
 

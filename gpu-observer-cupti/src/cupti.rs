@@ -11,6 +11,8 @@ pub type CuptiResult = c_int;
 pub const SUCCESS: CuptiResult = 0;
 /// `CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED`: another profiler holds CUPTI.
 pub const MULTIPLE_SUBSCRIBERS: CuptiResult = 39;
+/// `CUPTI_ERROR_NOT_SUPPORTED`.
+pub const NOT_SUPPORTED: CuptiResult = 27;
 /// `CUPTI_ACTIVITY_THREAD_ID_TYPE_SYSTEM`: thread ids are gettid() values.
 pub const THREAD_ID_TYPE_SYSTEM: c_int = 1;
 /// `CUPTI_ACTIVITY_FLAG_FLUSH_FORCED`.
@@ -31,6 +33,9 @@ pub struct Cupti {
     pub flush_all: unsafe extern "C" fn(u32) -> CuptiResult,
     pub next_record: unsafe extern "C" fn(*mut u8, usize, *mut *mut u8) -> CuptiResult,
     pub dropped: unsafe extern "C" fn(*mut c_void, u32, *mut usize) -> CuptiResult,
+    /// Per-API activity records (CUDA 12.?+): only the calls that launch GPU work.
+    pub enable_driver_api: Option<unsafe extern "C" fn(u32, u8) -> CuptiResult>,
+    pub enable_runtime_api: Option<unsafe extern "C" fn(u32, u8) -> CuptiResult>,
     result_string: Option<unsafe extern "C" fn(CuptiResult, *mut *const c_char) -> CuptiResult>,
 }
 
@@ -84,6 +89,10 @@ impl Cupti {
             dropped: sym!("cuptiActivityGetNumDroppedRecords"),
             // SAFETY: as above (cupti_result.h); optional, only for messages.
             result_string: unsafe { lib.get(b"cuptiGetResultString\0") }.ok().map(|s| *s),
+            // SAFETY: as above (cupti_activity.h); optional, newer CUPTI only.
+            enable_driver_api: unsafe { lib.get(b"cuptiActivityEnableDriverApi\0") }.ok().map(|s| *s),
+            // SAFETY: as above.
+            enable_runtime_api: unsafe { lib.get(b"cuptiActivityEnableRuntimeApi\0") }.ok().map(|s| *s),
             _lib: lib,
         })
     }

@@ -40,18 +40,29 @@ use crate::{
     cupti::Cupti,
 };
 
-/// Raised by the kernel while a gpu-observer uprobe on the hooks is attached (a uprobe
-/// reference counter, like a USDT is-enabled semaphore). In `.probes` so it has a file offset.
+/// A uprobe reference counter (the kernel adds one per attached uprobe), alone in its page.
+///
+/// The page matters: when the library is mapped after the observer attached, the kernel bumps
+/// the counter at mmap time in the first writable mapping of its file page — and while the
+/// loader is still relocating, the RELRO segment is writable and may map that same file page.
+/// The count would land in the RELRO copy and the library would never see it.
+#[repr(C, align(4096))]
+pub struct Semaphore {
+    pub count: u16,
+}
+
+/// Raised by the kernel while a gpu-observer uprobe on the hooks is attached (like a USDT
+/// is-enabled semaphore). In `.probes`, a data section, so it has a file offset.
 #[unsafe(no_mangle)]
 #[unsafe(link_section = ".probes")]
 #[allow(non_upper_case_globals)]
-pub static mut gpu_observer_cupti_semaphore: u16 = 0;
+pub static mut gpu_observer_cupti_semaphore: Semaphore = Semaphore { count: 0 };
 
 /// Whether an observer is attached now.
 fn observed() -> bool {
     // SAFETY: a plain read of a u16 the kernel may change at any time; volatile so each check
     // sees the current value.
-    unsafe { std::ptr::read_volatile(&raw const gpu_observer_cupti_semaphore) != 0 }
+    unsafe { std::ptr::read_volatile(&raw const gpu_observer_cupti_semaphore.count) != 0 }
 }
 
 /// The hook the observer's eBPF program probes: it copies `count` records from `records`.
@@ -119,6 +130,8 @@ struct Injection {
     state: AtomicU64,
     result: AtomicU64,
     enabled: AtomicBool,
+    /// Enabled through the per-API switches (else whole DRIVER/RUNTIME kinds).
+    per_api: AtomicBool,
     forwarded: AtomicU64,
     rate_limited: AtomicU64,
     cupti_dropped: AtomicU64,
@@ -134,7 +147,6 @@ static INJECTION: OnceLock<Injection> = OnceLock::new();
 
 /// Most names remembered as sent (beyond it, a name may be sent twice: harmless).
 const MAX_NAMES: usize = 65_536;
-const KINDS: [u32; 4] = [kind::DRIVER, kind::CONCURRENT_KERNEL, kind::MEMCPY, kind::MEMSET];
 const POLL: Duration = Duration::from_millis(100);
 const STATUS_EVERY: Duration = Duration::from_secs(1);
 
@@ -203,6 +215,7 @@ fn init() -> Injection {
         state: AtomicU64::new(state as u64),
         result: AtomicU64::new(result as u64),
         enabled: AtomicBool::new(false),
+        per_api: AtomicBool::new(false),
         forwarded: AtomicU64::new(0),
         rate_limited: AtomicU64::new(0),
         cupti_dropped: AtomicU64::new(0),
@@ -299,34 +312,93 @@ fn set_state(inj: &Injection, state: CuptiState, result: i32) {
     inj.result.store(result as u64, Relaxed);
 }
 
-/// Enables the activity kinds; on CUPTI_ERROR_MULTIPLE_SUBSCRIBERS (nsys, ncu, an in-process
-/// profiler) undoes what it enabled and reports the process as busy.
+/// The activity kinds of GPU work (always enabled together).
+const WORK_KINDS: [u32; 3] = [kind::CONCURRENT_KERNEL, kind::MEMCPY, kind::MEMSET];
+/// Whole API kinds, when CUPTI cannot record single APIs.
+const API_KINDS: [u32; 2] = [kind::DRIVER, kind::RUNTIME];
+
+/// Asks CUPTI to record only the API calls that launch GPU work (the per-API switches of
+/// newer CUPTI): every other driver/runtime call then costs nothing. False if not supported.
+fn set_work_apis(c: &Cupti, on: bool) -> Result<(), i32> {
+    let (Some(driver), Some(runtime)) = (c.enable_driver_api, c.enable_runtime_api) else {
+        return Err(cupti::NOT_SUPPORTED);
+    };
+    let ids = cupti_ids();
+    for &(domain, cbid) in &ids {
+        let f = if domain == 0 { driver } else { runtime };
+        // SAFETY: CUPTI entry point with a callback id from its headers.
+        let r = unsafe { f(cbid, u8::from(on)) };
+        if r != cupti::SUCCESS {
+            return Err(r);
+        }
+    }
+    Ok(())
+}
+
+/// (0 driver / 1 runtime, callback id) of every work API.
+fn cupti_ids() -> Vec<(u8, u32)> {
+    use gpu_observer_common::cupti::{DRIVER_CBIDS, RUNTIME_CBIDS};
+    DRIVER_CBIDS
+        .iter()
+        .map(|(c, _)| (0, *c))
+        .chain(RUNTIME_CBIDS.iter().map(|(c, _, _)| (1, *c)))
+        .collect()
+}
+
+/// Enables GPU work records and the API records that correlate them; on
+/// CUPTI_ERROR_MULTIPLE_SUBSCRIBERS (nsys, ncu, an in-process profiler) undoes what it enabled
+/// and reports the process as busy.
 fn start(inj: &Injection) {
     let Some(c) = &inj.cupti else { return };
     let _switch = inj.switch.lock().unwrap_or_else(|e| e.into_inner());
     if inj.enabled.load(Relaxed) || inj.state.load(Relaxed) == CuptiState::Failed as u64 {
         return;
     }
-    for (i, k) in KINDS.iter().enumerate() {
+    let per_api = match set_work_apis(c, true) {
+        Ok(()) => true,
+        Err(cupti::MULTIPLE_SUBSCRIBERS) => return refuse(inj, c, cupti::MULTIPLE_SUBSCRIBERS, 0, false),
+        Err(_) => {
+            // Older CUPTI, or refused: whole API kinds instead (more records, same join).
+            let _ = set_work_apis(c, false);
+            false
+        }
+    };
+    let kinds: Vec<u32> = WORK_KINDS
+        .iter()
+        .chain(if per_api { &[][..] } else { &API_KINDS[..] })
+        .copied()
+        .collect();
+    for (i, k) in kinds.iter().enumerate() {
         // SAFETY: CUPTI entry point with a valid activity kind.
         let r = unsafe { (c.enable)(*k) };
         if r != cupti::SUCCESS {
-            for k in &KINDS[..i] {
+            for k in &kinds[..i] {
                 // SAFETY: as above.
                 unsafe { (c.disable)(*k) };
             }
-            let state = if r == cupti::MULTIPLE_SUBSCRIBERS {
-                CuptiState::Busy
-            } else {
-                CuptiState::Failed
-            };
-            warn(&format!("cannot enable CUPTI activity kind {k}: {}", c.describe(r)));
-            set_state(inj, state, r);
-            return;
+            return refuse(inj, c, r, *k, per_api);
         }
     }
+    inj.per_api.store(per_api, Relaxed);
     inj.enabled.store(true, Relaxed);
     set_state(inj, CuptiState::Active, 0);
+}
+
+/// CUPTI said no: undo the per-API switches and say why.
+fn refuse(inj: &Injection, c: &Cupti, r: i32, kind: u32, per_api: bool) {
+    if per_api {
+        let _ = set_work_apis(c, false);
+    }
+    let state = if r == cupti::MULTIPLE_SUBSCRIBERS {
+        CuptiState::Busy
+    } else {
+        CuptiState::Failed
+    };
+    warn(&format!(
+        "cannot enable CUPTI activity (kind {kind}): {}",
+        c.describe(r)
+    ));
+    set_state(inj, state, r);
 }
 
 fn stop(inj: &Injection) {
@@ -335,9 +407,17 @@ fn stop(inj: &Injection) {
     if !inj.enabled.swap(false, Relaxed) {
         return;
     }
-    for k in KINDS {
+    for k in WORK_KINDS {
         // SAFETY: CUPTI entry point with a valid activity kind.
         unsafe { (c.disable)(k) };
+    }
+    if inj.per_api.load(Relaxed) {
+        let _ = set_work_apis(c, false);
+    } else {
+        for k in API_KINDS {
+            // SAFETY: as above.
+            unsafe { (c.disable)(k) };
+        }
     }
     flush(inj, cupti::FLUSH_FORCED);
     set_state(inj, CuptiState::Idle, 0);

@@ -10,6 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use gpu_observer_common::cupti;
 use gpu_observer_tests::*;
 use serde_json::Value;
 
@@ -145,10 +146,20 @@ fn assert_joined(cap: &Captured, pid: u32) {
 
 #[test]
 fn cupti_records_join_their_launches_with_exact_gpu_times() {
+    join_test(&[]);
+}
+
+/// A CUPTI without per-API switches: whole DRIVER/RUNTIME kinds, the same join.
+#[test]
+fn the_join_also_works_with_whole_api_kinds() {
+    join_test(&[("FAKE_CUPTI_NO_API_FILTER", "1")]);
+}
+
+fn join_test(env: &[(&'static str, &'static str)]) {
     let _g = serial();
     require_root();
     let dir = scratch("cupti-join");
-    let mut w = start_workload(&dir, &[]);
+    let mut w = start_workload(&dir, env);
     let agent = Agent::start(&dir, &["--pid", &w.pid.to_string()]);
     agent.wait_stderr("attached", Duration::from_secs(10));
     // cuInit loads the injection library; the agent finds it and probes its hooks.
@@ -156,6 +167,18 @@ fn cupti_records_join_their_launches_with_exact_gpu_times() {
     agent.wait_stderr("CUPTI active", Duration::from_secs(10));
     let exp = dir.join("expected.jsonl");
     w.cmd(&format!("run 2 2 {}", exp.display()));
+    let stats = cupti_stats(&mut w);
+    if env.is_empty() {
+        assert_eq!(stats["enabled_kinds"], serde_json::json!([1, 2, 10]), "{stats}");
+        assert_eq!(stats["driver_apis"].as_u64(), Some(cupti::DRIVER_CBIDS.len() as u64));
+        assert_eq!(stats["runtime_apis"].as_u64(), Some(cupti::RUNTIME_CBIDS.len() as u64));
+    } else {
+        assert_eq!(stats["enabled_kinds"], serde_json::json!([1, 2, 4, 5, 10]), "{stats}");
+        assert_eq!(
+            (stats["driver_apis"].as_u64(), stats["runtime_apis"].as_u64()),
+            (Some(0), Some(0))
+        );
+    }
     let pid = w.pid;
     w.exit();
     let cap = agent.finish();
@@ -203,16 +226,27 @@ fn without_an_observer_the_injection_library_collects_nothing() {
     let agent = Agent::start(&dir, &["--pid", &w.pid.to_string()]);
     agent.wait_stderr("CUPTI active", Duration::from_secs(10));
     let on = cupti_stats(&mut w);
-    assert_eq!(on["enabled_kinds"], serde_json::json!([1, 2, 4, 10]), "{on}");
+    assert_eq!(on["enabled_kinds"], serde_json::json!([1, 2, 10]), "{on}");
+    assert_eq!(
+        on["driver_apis"].as_u64(),
+        Some(cupti::DRIVER_CBIDS.len() as u64),
+        "{on}"
+    );
 
     // It goes: back to nothing.
     let cap = agent.stop();
     assert!(cap.status.success());
     wait_for("CUPTI disabled", Duration::from_secs(3), || {
-        cupti_stats(&mut w)["enabled_kinds"] == serde_json::json!([])
+        let s = cupti_stats(&mut w);
+        s["enabled_kinds"] == serde_json::json!([]) && s["driver_apis"] == 0
     });
     let off = cupti_stats(&mut w);
-    assert_eq!(off["disable_calls"].as_u64(), Some(4), "{off}");
+    assert_eq!(off["disable_calls"].as_u64(), Some(3), "{off}");
+    assert_eq!(
+        (off["driver_apis"].as_u64(), off["runtime_apis"].as_u64()),
+        (Some(0), Some(0)),
+        "{off}"
+    );
     let records = off["records"].as_u64().unwrap();
     w.cmd(&format!("run 1 1 {}", dir.join("after.jsonl").display()));
     std::thread::sleep(Duration::from_millis(300));

@@ -12,6 +12,8 @@
 #[cfg(feature = "user")]
 mod user;
 
+use crate::api::Family;
+
 /// `void gpu_observer_cupti_batch(const GpuRecord *records, uint32_t count)`.
 pub const BATCH_SYMBOL: &str = "gpu_observer_cupti_batch";
 /// `void gpu_observer_cupti_name(uint64_t key, const char *name)`: a kernel name CUPTI
@@ -41,6 +43,10 @@ pub enum GpuRecordKind {
     Device = 5,
     /// The library's state and counters, in `aux` (see [`status_aux`]).
     Status = 6,
+    /// A runtime API call CUPTI timed (`cudaLaunchKernel`, `cudaMemcpyAsync`, ...): the driver
+    /// call the uprobes saw happened inside it. CUPTI gives work launched through the runtime
+    /// the runtime call's correlation id, and records no driver API call for it.
+    RuntimeApi = 7,
 }
 
 impl GpuRecordKind {
@@ -52,6 +58,7 @@ impl GpuRecordKind {
             4 => Self::Memset,
             5 => Self::Device,
             6 => Self::Status,
+            7 => Self::RuntimeApi,
             _ => return None,
         })
     }
@@ -227,6 +234,96 @@ pub fn api_of_cbid(cbid: u32) -> Option<&'static str> {
         .map(|i| DRIVER_CBIDS[i].1)
 }
 
+/// CUPTI's runtime callback ids (`cupti_runtime_cbid.h`, stable like the driver's) of the
+/// runtime calls that put work on the GPU, with the family of the driver call made inside.
+pub const RUNTIME_CBIDS: &[(u32, &str, Family)] = &[
+    (13, "cudaLaunch_v3020", Family::Launch),
+    (31, "cudaMemcpy_v3020", Family::Memcpy),
+    (32, "cudaMemcpy2D_v3020", Family::Memcpy),
+    (33, "cudaMemcpyToArray_v3020", Family::Memcpy),
+    (34, "cudaMemcpy2DToArray_v3020", Family::Memcpy),
+    (35, "cudaMemcpyFromArray_v3020", Family::Memcpy),
+    (36, "cudaMemcpy2DFromArray_v3020", Family::Memcpy),
+    (37, "cudaMemcpyArrayToArray_v3020", Family::Memcpy),
+    (38, "cudaMemcpy2DArrayToArray_v3020", Family::Memcpy),
+    (39, "cudaMemcpyToSymbol_v3020", Family::Memcpy),
+    (40, "cudaMemcpyFromSymbol_v3020", Family::Memcpy),
+    (41, "cudaMemcpyAsync_v3020", Family::Memcpy),
+    (42, "cudaMemcpyToArrayAsync_v3020", Family::Memcpy),
+    (43, "cudaMemcpyFromArrayAsync_v3020", Family::Memcpy),
+    (44, "cudaMemcpy2DAsync_v3020", Family::Memcpy),
+    (45, "cudaMemcpy2DToArrayAsync_v3020", Family::Memcpy),
+    (46, "cudaMemcpy2DFromArrayAsync_v3020", Family::Memcpy),
+    (47, "cudaMemcpyToSymbolAsync_v3020", Family::Memcpy),
+    (48, "cudaMemcpyFromSymbolAsync_v3020", Family::Memcpy),
+    (49, "cudaMemset_v3020", Family::Memset),
+    (50, "cudaMemset2D_v3020", Family::Memset),
+    (51, "cudaMemsetAsync_v3020", Family::Memset),
+    (52, "cudaMemset2DAsync_v3020", Family::Memset),
+    (142, "cudaMemset3D_v3020", Family::Memset),
+    (143, "cudaMemset3DAsync_v3020", Family::Memset),
+    (144, "cudaMemcpy3D_v3020", Family::Memcpy),
+    (145, "cudaMemcpy3DAsync_v3020", Family::Memcpy),
+    (160, "cudaMemcpyPeer_v4000", Family::Memcpy),
+    (161, "cudaMemcpyPeerAsync_v4000", Family::Memcpy),
+    (162, "cudaMemcpy3DPeer_v4000", Family::Memcpy),
+    (163, "cudaMemcpy3DPeerAsync_v4000", Family::Memcpy),
+    (211, "cudaLaunchKernel_v7000", Family::Launch),
+    (213, "cudaLaunch_ptsz_v7000", Family::Launch),
+    (214, "cudaLaunchKernel_ptsz_v7000", Family::Launch),
+    (215, "cudaMemcpy_ptds_v7000", Family::Memcpy),
+    (216, "cudaMemcpy2D_ptds_v7000", Family::Memcpy),
+    (217, "cudaMemcpyToArray_ptds_v7000", Family::Memcpy),
+    (218, "cudaMemcpy2DToArray_ptds_v7000", Family::Memcpy),
+    (219, "cudaMemcpyFromArray_ptds_v7000", Family::Memcpy),
+    (220, "cudaMemcpy2DFromArray_ptds_v7000", Family::Memcpy),
+    (221, "cudaMemcpyArrayToArray_ptds_v7000", Family::Memcpy),
+    (222, "cudaMemcpy2DArrayToArray_ptds_v7000", Family::Memcpy),
+    (223, "cudaMemcpyToSymbol_ptds_v7000", Family::Memcpy),
+    (224, "cudaMemcpyFromSymbol_ptds_v7000", Family::Memcpy),
+    (225, "cudaMemcpyAsync_ptsz_v7000", Family::Memcpy),
+    (226, "cudaMemcpyToArrayAsync_ptsz_v7000", Family::Memcpy),
+    (227, "cudaMemcpyFromArrayAsync_ptsz_v7000", Family::Memcpy),
+    (228, "cudaMemcpy2DAsync_ptsz_v7000", Family::Memcpy),
+    (229, "cudaMemcpy2DToArrayAsync_ptsz_v7000", Family::Memcpy),
+    (230, "cudaMemcpy2DFromArrayAsync_ptsz_v7000", Family::Memcpy),
+    (231, "cudaMemcpyToSymbolAsync_ptsz_v7000", Family::Memcpy),
+    (232, "cudaMemcpyFromSymbolAsync_ptsz_v7000", Family::Memcpy),
+    (233, "cudaMemset_ptds_v7000", Family::Memset),
+    (234, "cudaMemset2D_ptds_v7000", Family::Memset),
+    (235, "cudaMemsetAsync_ptsz_v7000", Family::Memset),
+    (236, "cudaMemset2DAsync_ptsz_v7000", Family::Memset),
+    (243, "cudaMemset3D_ptds_v7000", Family::Memset),
+    (244, "cudaMemset3DAsync_ptsz_v7000", Family::Memset),
+    (245, "cudaMemcpy3D_ptds_v7000", Family::Memcpy),
+    (246, "cudaMemcpy3DAsync_ptsz_v7000", Family::Memcpy),
+    (249, "cudaMemcpy3DPeer_ptds_v7000", Family::Memcpy),
+    (250, "cudaMemcpy3DPeerAsync_ptsz_v7000", Family::Memcpy),
+    (269, "cudaLaunchCooperativeKernel_v9000", Family::Launch),
+    (270, "cudaLaunchCooperativeKernel_ptsz_v9000", Family::Launch),
+    (272, "cudaLaunchCooperativeKernelMultiDevice_v9000", Family::Launch),
+    (311, "cudaGraphLaunch_v10000", Family::GraphLaunch),
+    (312, "cudaGraphLaunch_ptsz_v10000", Family::GraphLaunch),
+    (430, "cudaLaunchKernelExC_v11060", Family::Launch),
+    (431, "cudaLaunchKernelExC_ptsz_v11060", Family::Launch),
+    (482, "cudaMemcpyBatchAsync_v12080", Family::Memcpy),
+    (483, "cudaMemcpyBatchAsync_ptsz_v12080", Family::Memcpy),
+    (484, "cudaMemcpy3DBatchAsync_v12080", Family::Memcpy),
+    (485, "cudaMemcpy3DBatchAsync_ptsz_v12080", Family::Memcpy),
+    (509, "cudaMemcpyBatchAsync_v13000", Family::Memcpy),
+    (510, "cudaMemcpyBatchAsync_ptsz_v13000", Family::Memcpy),
+    (511, "cudaMemcpy3DBatchAsync_v13000", Family::Memcpy),
+    (512, "cudaMemcpy3DBatchAsync_ptsz_v13000", Family::Memcpy),
+];
+
+/// The runtime call and the family of driver call it makes, if it launches GPU work.
+pub fn runtime_api_of_cbid(cbid: u32) -> Option<(&'static str, Family)> {
+    RUNTIME_CBIDS
+        .binary_search_by_key(&cbid, |(c, _, _)| *c)
+        .ok()
+        .map(|i| (RUNTIME_CBIDS[i].1, RUNTIME_CBIDS[i].2))
+}
+
 const _: () = {
     assert!(core::mem::size_of::<GpuRecord>() == 176);
     assert!(core::mem::size_of::<GpuRecord>().is_multiple_of(8));
@@ -262,5 +359,28 @@ mod tests {
             );
         }
         assert_eq!(api_of_cbid(1), None);
+    }
+
+    #[test]
+    fn runtime_cbids_are_sorted_and_name_work_calls() {
+        assert!(RUNTIME_CBIDS.windows(2).all(|w| w[0].0 < w[1].0));
+        assert_eq!(
+            runtime_api_of_cbid(211),
+            Some(("cudaLaunchKernel_v7000", Family::Launch))
+        );
+        assert_eq!(
+            runtime_api_of_cbid(430),
+            Some(("cudaLaunchKernelExC_v11060", Family::Launch))
+        );
+        assert_eq!(runtime_api_of_cbid(41), Some(("cudaMemcpyAsync_v3020", Family::Memcpy)));
+        assert_eq!(
+            runtime_api_of_cbid(311),
+            Some(("cudaGraphLaunch_v10000", Family::GraphLaunch))
+        );
+        assert_eq!(runtime_api_of_cbid(1), None);
+        assert!(RUNTIME_CBIDS.iter().all(|(_, n, _)| n.starts_with("cudaLaunch")
+            || n.starts_with("cudaGraphLaunch")
+            || n.starts_with("cudaMemcpy")
+            || n.starts_with("cudaMemset")));
     }
 }

@@ -16,7 +16,7 @@ use std::{
 };
 
 use gpu_observer_common::{
-    api::{self, ApiSpec},
+    api::{self, ApiSpec, Family},
     cupti::{self, CuptiState, GpuRecord, GpuRecordKind, device_aux, status_aux},
 };
 
@@ -50,7 +50,11 @@ pub struct Recent {
 #[derive(Clone, Debug)]
 pub struct Origin {
     pub tid: u32,
-    pub api: &'static ApiSpec,
+    /// The probed driver entry point the uprobes saw, when found.
+    pub api: Option<&'static ApiSpec>,
+    /// The API CUPTI recorded: that driver call, or the runtime call (`cudaLaunchKernel`) it
+    /// was made from.
+    pub cupti_api: &'static str,
     /// The uprobe's entry timestamp of the call, when it was found.
     pub launch_ts_ns: Option<u64>,
     /// CUPTI's own timing of the call.
@@ -271,7 +275,7 @@ impl GpuState {
                 self.devices.insert(rec.device, Device::from_record(rec));
                 None
             }
-            GpuRecordKind::Api => {
+            GpuRecordKind::Api | GpuRecordKind::RuntimeApi => {
                 self.api(rec, pid, comm, out);
                 None
             }
@@ -286,23 +290,51 @@ impl GpuState {
         }
     }
 
+    /// An API record claims the uprobe event of its call: for a driver call, the latest one of
+    /// that entry point on the thread that entered before the call ended; for a runtime call,
+    /// the first driver call of the matching family made inside it.
     fn api(&mut self, rec: &GpuRecord, pid: u32, comm: [u8; 16], out: &mut Vec<GpuActivity>) {
-        let Some(spec) = cupti::api_of_cbid(rec.cbid).and_then(api::id_of).and_then(api::by_id) else {
-            return;
+        let q = self.recent.get_mut(&rec.tid);
+        let (cupti_api, found) = if rec.kind == GpuRecordKind::RuntimeApi as u32 {
+            let Some((name, family)) = cupti::runtime_api_of_cbid(rec.cbid) else {
+                return;
+            };
+            let found = q.and_then(|q| {
+                let i = q.iter().position(|r| {
+                    same_family(r.api.family, family) && r.ts_ns >= rec.start_ns && r.ts_ns <= rec.end_ns
+                })?;
+                q.remove(i)
+            });
+            (runtime_name(name), found)
+        } else {
+            let Some((name, spec)) = cupti::api_of_cbid(rec.cbid).and_then(|n| Some((n, api::by_id(api::id_of(n)?)?)))
+            else {
+                return;
+            };
+            let found = q.and_then(|q| {
+                let i = q
+                    .iter()
+                    .rposition(|r| std::ptr::eq(r.api, spec) && r.ts_ns <= rec.end_ns)?;
+                q.remove(i)
+            });
+            (name, found)
         };
         self.stats.api_records += 1;
-        let found = self.recent.get_mut(&rec.tid).and_then(|q| {
-            let i = q
-                .iter()
-                .rposition(|r| std::ptr::eq(r.api, spec) && r.ts_ns <= rec.end_ns)?;
-            q.remove(i)
-        });
         if found.is_none() {
             self.stats.api_unmatched += 1;
+            // A driver and a runtime record of one call: keep the one that found its uprobe.
+            if self
+                .origins
+                .get(&rec.correlation_id)
+                .is_some_and(|o| o.launch_ts_ns.is_some())
+            {
+                return;
+            }
         }
         let origin = Origin {
             tid: rec.tid,
-            api: spec,
+            api: found.as_ref().map(|r| r.api),
+            cupti_api,
             launch_ts_ns: found.as_ref().map(|r| r.ts_ns),
             api_start_ns: rec.start_ns,
             api_end_ns: rec.end_ns,
@@ -439,6 +471,22 @@ impl GpuState {
     }
 }
 
+/// Whether a probed driver call can be the one a runtime call of `family` makes.
+fn same_family(probed: Family, runtime: Family) -> bool {
+    match runtime {
+        Family::Launch | Family::LaunchEx => matches!(probed, Family::Launch | Family::LaunchEx),
+        other => probed == other,
+    }
+}
+
+/// `cudaLaunchKernel_v7000` → `cudaLaunchKernel`.
+fn runtime_name(name: &'static str) -> &'static str {
+    match name.rsplit_once("_v") {
+        Some((base, v)) if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) => base,
+        _ => name,
+    }
+}
+
 /// CUPTI_ACTIVITY_MEMCPY_KIND_* as written in JSON.
 pub fn copy_kind_name(k: u32) -> &'static str {
     match k {
@@ -549,6 +597,32 @@ mod tests {
         assert_eq!(out[1].origin.as_ref().unwrap().launch_ts_ns, Some(1_000));
         assert_eq!((g.stats.joined, g.stats.unjoined, g.stats.kernel_ns), (2, 0, 4_000));
         assert!(!g.has_pending());
+    }
+
+    #[test]
+    fn runtime_records_claim_the_driver_call_made_inside_them() {
+        let mut g = GpuState::default();
+        let mut out = Vec::new();
+        let ex = Recent {
+            ts_ns: 2_000,
+            api: api::by_id(api::id_of("cuLaunchKernelEx").unwrap()).unwrap(),
+            kernel: None,
+        };
+        g.call(7, launch(500)); // before the runtime call: not it
+        g.call(7, ex);
+        let mut rt = api_rec(5, 7, 211, 1_500, 3_000); // cudaLaunchKernel
+        rt.kind = GpuRecordKind::RuntimeApi as u32;
+        g.record(1, [0; 16], &rt, &mut out);
+        g.record(1, [0; 16], &kernel_rec(5, 4_000, 5_000), &mut out);
+        let o = out[0].origin.as_ref().unwrap();
+        assert_eq!((o.launch_ts_ns, o.cupti_api), (Some(2_000), "cudaLaunchKernel"));
+        assert_eq!(o.api.map(|a| a.name), Some("cuLaunchKernelEx"));
+        // A runtime memcpy made no probed driver call: joined to CUPTI's record only.
+        let mut cp = api_rec(6, 7, 41, 6_000, 7_000);
+        cp.kind = GpuRecordKind::RuntimeApi as u32;
+        g.record(1, [0; 16], &cp, &mut out);
+        assert_eq!(g.stats.api_unmatched, 1);
+        assert_eq!(runtime_name("cudaMemcpy_ptds_v7000"), "cudaMemcpy_ptds");
     }
 
     #[test]

@@ -37,7 +37,8 @@ impl<W: Write> JsonlWriter<W> {
         let comm = std::str::from_utf8(&a.comm[..end]).unwrap_or("?");
         self.head(ty, r.start_ns, a.pid, o.map_or(0, |o| o.tid), comm)?;
         let out = &mut self.out;
-        opt_str(out, "api", o.map(|o| o.api.name))?;
+        opt_str(out, "api", o.and_then(|o| o.api).map(|a| a.name))?;
+        opt_str(out, "cupti_api", o.map(|o| o.cupti_api))?;
         write!(
             out,
             ",\"correlation_id\":{},\"gpu_start_ns\":{},\"gpu_end_ns\":{},\"gpu_duration_ns\":{dur},\"launch_ts_ns\":{},\"queue_delay_ns\":{},\"cupti_api_start_ns\":{},\"cupti_api_end_ns\":{},\"device\":{},\"context\":{},\"stream\":{},\"graph_id\":{}",
