@@ -4,7 +4,8 @@
 # Provides: log/warn/die, require_root, find_nvcc, gpu_sm_arch, resolve_observer,
 # resolve_exe, wait_for_line, start_observer/stop_observer (background observer
 # lifecycle; OBS_PID, OBS_RC), start_observer_run/wait_observer_run (`gpu-observer run
-# -- CMD`: the observer starts CMD and exits with its status), child_pids, and
+# -- CMD`: the observer starts CMD and exits with its status), resolve_cupti (the
+# injection library and the `run` subcommand), child_pids, any_alive, and
 # install_traps (the observer, and in run mode its command, is always stopped on
 # exit/INT/TERM).
 
@@ -249,6 +250,47 @@ any_alive() {
         proc_alive "$p" && return 0
     done
     return 1
+}
+
+# resolve_cupti REPO_ROOT SCRATCH_FILE: find the CUPTI injection library and check
+# that the observer has the `run` subcommand.  Sets CUPTI_LIB_PATH (absolute, or
+# empty), CUPTI_ARGS (`--cupti-lib PATH` unless the library is next to the
+# observer, where it finds it itself), OBS_RUN_HELP (yes | no (...)) and CUPTI_SKIP
+# (empty, or why CUPTI runs cannot be made).  $CUPTI_LIB overrides the search.
+# shellcheck disable=SC2034  # the variables are read by the scripts that source this file
+resolve_cupti() {
+    local root=$1 scratch=$2 c
+    CUPTI_SKIP=""
+    CUPTI_LIB_PATH=""
+    CUPTI_ARGS=()
+    OBS_RUN_HELP="not checked"
+    if [[ -n ${CUPTI_LIB:-} ]]; then
+        for c in "$CUPTI_LIB" "$PWD/$CUPTI_LIB" "$root/$CUPTI_LIB"; do
+            if [[ -f $c ]]; then
+                CUPTI_LIB_PATH=$(cd "$(dirname "$c")" && pwd)/$(basename "$c")
+                break
+            fi
+        done
+        if [[ -n $CUPTI_LIB_PATH ]]; then
+            CUPTI_ARGS=(--cupti-lib "$CUPTI_LIB_PATH")
+        else
+            CUPTI_SKIP="CUPTI_LIB=$CUPTI_LIB not found"
+        fi
+    elif [[ -f $(dirname "$OBSERVER")/libgpu_observer_cupti.so ]]; then
+        CUPTI_LIB_PATH=$(dirname "$OBSERVER")/libgpu_observer_cupti.so
+    elif [[ -f $root/.gpu-bundle/libgpu_observer_cupti.so ]]; then
+        CUPTI_LIB_PATH=$root/.gpu-bundle/libgpu_observer_cupti.so
+        CUPTI_ARGS=(--cupti-lib "$CUPTI_LIB_PATH")
+    else
+        CUPTI_SKIP="no libgpu_observer_cupti.so next to the observer or in .gpu-bundle/; set CUPTI_LIB"
+    fi
+    if timeout 30 "$OBSERVER" run --help >"$scratch" 2>&1; then
+        OBS_RUN_HELP="yes"
+    else
+        OBS_RUN_HELP="no ('gpu-observer run --help' failed: $(head -c 160 "$scratch" | tr '\n' ' '))"
+        [[ -n $CUPTI_SKIP ]] || CUPTI_SKIP="the observer has no 'run' subcommand (older build?)"
+    fi
+    return 0
 }
 
 # start_observer_run JSONL ERRFILE LOGFILE [observer options...] -- CMD [ARGS...]

@@ -181,8 +181,7 @@ def cupti_row(title, win):
     q = m.get("queue_delay_ns") or {}
     n = m.get("gpu_kernels", 0)
     if win.get("key") == "run":
-        launches = m.get("cupti_state") or "?"
-        launches = f"{n} / state {launches}"
+        launches = f"{n} / state {m.get('cupti_state') or 'none'}"
         copies = "-"
     else:
         launches = f"{n} / {m.get('launch_events', '?')}"

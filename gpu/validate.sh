@@ -89,37 +89,13 @@ log "ground truth: ${GT_BIN:-not found (set GROUND_TRUTH=/path/to/cuda-ground-tr
 log "nvcc: $NVCC_BIN  arch: $ARCH"
 
 # CUPTI runs: the injection library and the observer's `run` subcommand.
-CUPTI_SKIP=""
-CUPTI_LIB_PATH=""
-CUPTI_ARGS=()
-OBS_RUN_HELP="not checked"
 if [[ ${SKIP_CUPTI:-0} == 1 ]]; then
     CUPTI_SKIP="SKIP_CUPTI=1"
+    CUPTI_LIB_PATH=""
+    CUPTI_ARGS=()
+    OBS_RUN_HELP="not checked (SKIP_CUPTI=1)"
 else
-    if [[ -n ${CUPTI_LIB:-} ]]; then
-        for c in "$CUPTI_LIB" "$PWD/$CUPTI_LIB" "$REPO_ROOT/$CUPTI_LIB"; do
-            if [[ -f $c ]]; then
-                CUPTI_LIB_PATH=$(cd "$(dirname "$c")" && pwd)/$(basename "$c")
-                break
-            fi
-        done
-        [[ -n $CUPTI_LIB_PATH ]] || CUPTI_SKIP="CUPTI_LIB=$CUPTI_LIB not found"
-        CUPTI_ARGS=(--cupti-lib "$CUPTI_LIB_PATH")
-    elif [[ -f $(dirname "$OBSERVER")/libgpu_observer_cupti.so ]]; then
-        # the observer finds it next to itself
-        CUPTI_LIB_PATH=$(dirname "$OBSERVER")/libgpu_observer_cupti.so
-    elif [[ -f $REPO_ROOT/.gpu-bundle/libgpu_observer_cupti.so ]]; then
-        CUPTI_LIB_PATH=$REPO_ROOT/.gpu-bundle/libgpu_observer_cupti.so
-        CUPTI_ARGS=(--cupti-lib "$CUPTI_LIB_PATH")
-    else
-        CUPTI_SKIP="no libgpu_observer_cupti.so next to the observer or in .gpu-bundle/; set CUPTI_LIB"
-    fi
-    if timeout 30 "$OBSERVER" run --help >"$WORK/observer_run_help.txt" 2>&1; then
-        OBS_RUN_HELP="yes"
-    else
-        OBS_RUN_HELP="no ('$OBSERVER run --help' failed: $(head -c 200 "$WORK/observer_run_help.txt" | tr '\n' ' '))"
-        [[ -n $CUPTI_SKIP ]] || CUPTI_SKIP="the observer has no 'run' subcommand (older build?)"
-    fi
+    resolve_cupti "$REPO_ROOT" "$WORK/observer_run_help.txt"
 fi
 log "CUPTI injection library: ${CUPTI_LIB_PATH:-not found}; observer run subcommand: $OBS_RUN_HELP"
 [[ -z $CUPTI_SKIP ]] || warn "CUPTI runs will be skipped: $CUPTI_SKIP"

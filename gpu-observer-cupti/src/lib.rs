@@ -197,9 +197,11 @@ extern "C" fn monotonic_ns() -> u64 {
 pub extern "C" fn InitializeInjection() -> c_int {
     let _ = catch_unwind(|| {
         let inj = INJECTION.get_or_init(init);
-        // Observed from the start (`gpu-observer run`): collect from the first kernel on.
+        // Observed from the start (`gpu-observer run`): collect from the first kernel on, and
+        // tell the observer now, before the first launch, so it keeps every call for the join.
         if observed() {
             start(inj);
+            send_status(inj);
         }
     });
     1

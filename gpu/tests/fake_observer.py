@@ -4,19 +4,100 @@ a GPU.  It follows the CLI contract (--format jsonl --output FILE [--pid N]
 [--duration S]), prints "gpu-observer: ready" on stderr, writes a few events
 and, on SIGINT/SIGTERM, a final summary line, then exits 0.
 
+`run [--format jsonl] [--output FILE] [--trace-all] [--cupti-lib PATH]
+[--threshold-us N] [--cuda-buffer-size B] [--no-cupti] -- CMD ARGS...`: prints the
+ready line, starts CMD with CUDA_INJECTION64_PATH set (unless --no-cupti), waits for
+it, writes a `cupti` line and the per-process summary (with its `cupti` block) for
+CMD's pid and a total, and exits with CMD's exit status (128+N for signal N).
+SIGINT/SIGTERM are passed on to CMD as SIGTERM.
+
 FAKE_MODE (env): normal | ignore_int (ignores SIGINT and SIGTERM) |
 die_early (exits 3 before ready) | never_ready (never prints the ready line).
+FAKE_NO_RUN=1: `run` is an unknown subcommand (exit 2), as in an older build.
+FAKE_CUPTI_STATE (env, run mode): the state reported (default active).
 """
 
 import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
 
+def run_mode(argv):
+    if os.environ.get("FAKE_NO_RUN") == "1":
+        print("error: unrecognized subcommand 'run'", file=sys.stderr, flush=True)
+        return 2
+    if "--" in argv:
+        i = argv.index("--")
+        opts, cmd = argv[:i], argv[i + 1:]
+    else:
+        opts, cmd = argv, []
+    ap = argparse.ArgumentParser(prog="gpu-observer run")
+    ap.add_argument("--format", default="terminal")
+    ap.add_argument("--output", default=None)
+    ap.add_argument("--trace-all", action="store_true")
+    ap.add_argument("--cupti-lib", default=None)
+    ap.add_argument("--threshold-us", type=int, default=100)
+    ap.add_argument("--cuda-buffer-size", type=int, default=8 << 20)
+    ap.add_argument("--no-cupti", action="store_true")
+    a = ap.parse_args(opts)
+    if not cmd:
+        print("gpu-observer: run needs a command after --", file=sys.stderr, flush=True)
+        return 2
+    mode = os.environ.get("FAKE_MODE", "normal")
+    if mode == "die_early":
+        print("gpu-observer: error: cannot attach (fake)", file=sys.stderr, flush=True)
+        return 3
+    out = open(a.output, "w", encoding="utf-8") if a.output else sys.stdout
+    time.sleep(0.2)
+    print("gpu-observer: ready", file=sys.stderr, flush=True)
+    env = dict(os.environ)
+    lib = a.cupti_lib or os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                      "libgpu_observer_cupti.so")
+    if not a.no_cupti:
+        env["CUDA_INJECTION64_PATH"] = lib
+    try:
+        child = subprocess.Popen(cmd, env=env)
+    except OSError as exc:
+        print(f"gpu-observer: cannot start {cmd[0]}: {exc}", file=sys.stderr, flush=True)
+        return 127
+
+    def on_sig(_signum, _frame):
+        try:
+            child.send_signal(signal.SIGTERM)
+        except OSError:
+            pass
+
+    signal.signal(signal.SIGINT, on_sig)
+    signal.signal(signal.SIGTERM, on_sig)
+    rc = child.wait()
+    rc = 128 - rc if rc < 0 else rc
+    state = "no_cupti" if a.no_cupti else os.environ.get("FAKE_CUPTI_STATE", "active")
+    now = time.monotonic_ns()
+    out.write(json.dumps({"type": "cupti", "ts_ns": now, "pid": child.pid, "tid": child.pid,
+                          "comm": os.path.basename(cmd[0])[:15], "state": state,
+                          "cupti_result": 0, "message": f"fake ({lib})"}) + "\n")
+    block = None if a.no_cupti else {
+        "state": state, "kernels": 0, "memcpys": 0, "memsets": 0, "joined": 0, "unjoined": 0,
+        "gpu_kernel_ns": 0, "cupti_dropped": 0, "rate_limited": 0, "buffers": 0}
+    out.write(json.dumps({"type": "summary", "scope": "process", "pid": child.pid,
+                          "comm": os.path.basename(cmd[0])[:15], "events": 1, "dropped": 0,
+                          "cupti": block}) + "\n")
+    out.write(json.dumps({"type": "summary", "scope": "total", "pid": None, "ts_ns": now,
+                          "events": 2, "dropped": 0, "trace_all": a.trace_all}) + "\n")
+    out.flush()
+    if out is not sys.stdout:
+        out.close()
+    print(f"gpu-observer: {cmd[0]} exited with {rc} (fake)", file=sys.stderr, flush=True)
+    return rc
+
+
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "run":
+        return run_mode(sys.argv[2:])
     ap = argparse.ArgumentParser()
     ap.add_argument("--format", default="jsonl")
     ap.add_argument("--output", required=True)

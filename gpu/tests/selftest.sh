@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # No-GPU self-test of the validation tooling: compare.py / compare_ground_truth.py /
-# make_report.py / bench_report.py on synthetic JSONL, and the observer lifecycle in
-# lib.sh against tests/fake_observer.py.  Run: bash gpu/tests/selftest.sh
+# compare_cupti.py / make_report.py / bench_report.py / bench_cupti_report.py on
+# synthetic JSONL, the observer lifecycle in lib.sh (all-process and `run` mode)
+# against tests/fake_observer.py, and bench_cupti.sh end to end with the fakes.
+# Run: bash gpu/tests/selftest.sh
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -151,6 +153,110 @@ check "bench_report" 0 "$rc"
 check "bench_report counts captured launches" 0 "$(has "3763 / 3768" "$T/BENCH.md")"
 check "bench_report has submit overhead" 0 "$(has "submit: overhead per launch call | 0.600" "$T/BENCH.md")"
 
+# --- compare_cupti.py (CUPTI records of runs under `gpu-observer run`)
+cu_rc() { # prefix name [extra compare args]
+    local p=$1 n=$2 rc=0
+    shift 2
+    "$PY" "$GPU/compare_cupti.py" --workload "$p.json" --events "$p.jsonl" --name "$n" \
+        --section-out "$T/$n.section.md" --result-out "$T/$n.result.json" "$@" >"$T/$n.out" 2>&1 || rc=$?
+    echo "$rc"
+}
+"$PY" "$HERE/synth.py" cupti_torch "$T/ct1"
+check "cupti torch: joined, timestamps, counts -> pass" 0 "$(cu_rc "$T/ct1" cupti_ct1)"
+check "cupti torch: delta distribution shown" 0 "$(has "abs(launch_ts_ns − cupti_api_start_ns): n=50 min 700 ns, median 900 ns" "$T/cupti_ct1.section.md")"
+check "cupti torch: queue delay shown" 0 "$(has "queue delay (gpu_start_ns − launch_ts_ns)" "$T/cupti_ct1.section.md")"
+check "cupti torch: profiler skipped is informational" 0 "$(has "profiler not run" "$T/cupti_ct1.section.md")"
+check "cupti torch: graph kernels set aside" 0 "$(has "| gpu_kernel (not in a graph) = uprobe launch events (not cuGraphLaunch\*) | 270 | 270 |" "$T/cupti_ct1.section.md")"
+check "cupti torch: state from the summary" 0 "$(has "CUPTI state (per-process summary) | active | active" "$T/cupti_ct1.section.md")"
+"$PY" "$HERE/synth.py" cupti_torch "$T/ct2" --unjoined 1
+check "cupti torch: one unjoined gpu_kernel -> fail" 1 "$(cu_rc "$T/ct2" cupti_ct2)"
+"$PY" "$HERE/synth.py" cupti_torch "$T/ct3" --ts-off 1
+check "cupti torch: CUPTI API timestamp 6 us off -> fail" 1 "$(cu_rc "$T/ct3" cupti_ct3)"
+check "cupti torch: the line over tolerance is listed" 0 "$(has "over tolerance" "$T/cupti_ct3.section.md")"
+"$PY" "$HERE/synth.py" cupti_torch "$T/ct4" --drop-gpu-kernel 1
+check "cupti torch: missing gpu_kernel -> fail" 1 "$(cu_rc "$T/ct4" cupti_ct4)"
+"$PY" "$HERE/synth.py" cupti_torch "$T/ct5" --state busy
+check "cupti torch: state busy -> fail" 1 "$(cu_rc "$T/ct5" cupti_ct5)"
+check "cupti torch: busy state line shown" 0 "$(has "state=busy" "$T/cupti_ct5.out")"
+"$PY" "$HERE/synth.py" cupti_torch "$T/ct6" --warmup-outlier
+check "cupti torch: 8 us outlier in warm-up only -> pass (whole run informational)" 0 "$(cu_rc "$T/ct6" cupti_ct6)"
+"$PY" "$HERE/synth.py" cupti_torch "$T/ct7" --with-profiler
+check "cupti torch: phase B vs recorded profiler counts -> pass" 0 "$(cu_rc "$T/ct7" cupti_ct7)"
+check "cupti torch: profiler row strict" 0 "$(has "gpu_kernel = torch.profiler kernels (recorded by the workload) | 272 | 272" "$T/cupti_ct7.section.md")"
+"$PY" "$HERE/synth.py" cupti_torch "$T/ct8" --no-cupti-block
+check "cupti torch: state from the cupti line without a summary block" 0 "$(cu_rc "$T/ct8" cupti_ct8)"
+check "cupti torch: state source said" 0 "$(has "last \`cupti\` line" "$T/cupti_ct8.section.md")"
+"$PY" "$HERE/synth.py" cupti_torch "$T/ct9" --pid-offset 7
+check "cupti torch: pid fallback by comm -> pass" 0 "$(cu_rc "$T/ct9" cupti_ct9 --comm-hint python)"
+check "cupti torch: pid fallback warned" 0 "$(has "falling back" "$T/cupti_ct9.out")"
+"$PY" "$HERE/synth.py" cupti_ground "$T/cg1"
+check "cupti ground truth -> pass" 0 "$(cu_rc "$T/cg1" cupti_cg1)"
+check "cupti ground truth: names with counts" 0 "$(has "gpu_kernel named \`scale_vec(float\*, float, unsigned int)\` | 4 | 4" "$T/cupti_cg1.section.md")"
+check "cupti ground truth: memcpy vs the workload" 0 "$(has "gpu_memcpy = copies the workload made | 22 | 22" "$T/cupti_cg1.section.md")"
+g=0
+for fault in "--unjoined 1" "--ts-off 1" "--drop-gpu-kernel 1" "--state busy" "--state failed"; do
+    g=$((g + 1))
+    # shellcheck disable=SC2086  # the fault is two words on purpose
+    "$PY" "$HERE/synth.py" cupti_ground "$T/cgf$g" $fault
+    check "cupti ground truth $fault -> fail" 1 "$(cu_rc "$T/cgf$g" "cupti_cgf$g")"
+done
+gzip -k "$T/ct1.jsonl"
+rc=0
+"$PY" "$GPU/compare_cupti.py" --workload "$T/ct1.json" --events "$T/ct1.jsonl.gz" --name ctgz >/dev/null || rc=$?
+check "cupti: gzip input" 0 "$rc"
+rc=0
+"$PY" "$GPU/compare_cupti.py" --workload "$T/nope.json" --events "$T/ct1.jsonl" --name x >/dev/null 2>&1 || rc=$?
+check "cupti: missing workload json -> rc 2" 2 "$rc"
+rc=0
+"$PY" "$GPU/compare_cupti.py" --workload "$T/ct1.json" --events "$T/c1.jsonl" --name cnone >"$T/cnone.out" 2>&1 || rc=$?
+check "cupti: a run without CUPTI lines -> fail" 1 "$rc"
+check "cupti: no gpu_kernel warned" 0 "$(has "no gpu_kernel line" "$T/cnone.out")"
+# the same comparison in the report
+cp "$T/cupti_ct1.result.json" "$T/cupti_torch_loop.result.json"
+cp "$T/cupti_ct1.section.md" "$T/cupti_torch_loop.section.md"
+cp "$T/cupti_ct5.result.json" "$T/cupti_busy.result.json"
+printf 'cupti_missing\tSKIPPED (the observer has no run subcommand (older build?))\n' >"$T/cstatus.tsv"
+rc=0
+"$PY" "$GPU/make_report.py" assemble --env "$T/env.json" --out "$T/VALIDATION_CUPTI.md" --dir "$T" \
+    --status-file "$T/cstatus.tsv" --results-json "$T/vc.json" \
+    g1 t1 cupti_torch_loop cupti_busy cupti_missing >/dev/null || rc=$?
+check "make_report assemble with CUPTI runs" 0 "$rc"
+check "report: CUPTI table row" 0 "$(has "| cupti_ct1 | phaseA | PASS | 50 / 50 | 50 (100.0%) | 50/50 | 900 ns / 1.1 µs / 1.1 µs | 100 / 100 |" "$T/VALIDATION_CUPTI.md")"
+check "report: CUPTI whole-run row with state" 0 "$(has "322 / state active" "$T/VALIDATION_CUPTI.md")"
+check "report: failing CUPTI run" 0 "$(has "322 / state busy" "$T/VALIDATION_CUPTI.md")"
+check "report: skipped CUPTI run with its reason" 0 "$(has "older build" "$T/VALIDATION_CUPTI.md")"
+check "report: CUPTI section heading" 0 "$(has "## CUPTI: GPU-side records" "$T/VALIDATION_CUPTI.md")"
+check "report: overall FAIL with a failing CUPTI run" 0 "$(has "Overall: \*\*FAIL" "$T/VALIDATION_CUPTI.md")"
+rc=0
+"$PY" "$GPU/make_report.py" assemble --env "$T/env.json" --out "$T/VALIDATION_C2.md" --dir "$T" \
+    g1 cupti_torch_loop >/dev/null || rc=$?
+check "report: all CUPTI checks pass -> overall PASS" 0 "$(has "Overall: \*\*PASS" "$T/VALIDATION_C2.md")"
+
+# --- bench_cupti_report.py
+"$PY" "$HERE/synth.py" bench_cupti "$T/bc1"
+rc=0
+"$PY" "$GPU/bench_cupti_report.py" report --dir "$T/bc1.d" --plan "$T/bc1.d/plan.tsv" \
+    --env "$T/env.json" --out "$T/BENCH_CUPTI.md" --summary-json "$T/bcs.json" >"$T/bc1.out" || rc=$?
+check "bench_cupti_report" 0 "$rc"
+check "bench_cupti_report: CUPTI overhead and target met" 0 "$(has "CUPTI mode overhead: +3.00% (MET" "$T/BENCH_CUPTI.md")"
+check "bench_cupti_report: profiler ratio" 0 "$(has "| 1.280x | +28.00% |" "$T/BENCH_CUPTI.md")"
+check "bench_cupti_report: CPU issue share" 0 "$(has "CPU issue time without observer: 3.500 ms of 5.000 ms per step (70%): GPU-bound" "$T/BENCH_CUPTI.md")"
+check "bench_cupti_report: kernels per step from uprobes" 0 "$(has "uprobe launch events per timed step (uprobes runs): 412.0" "$T/BENCH_CUPTI.md")"
+check "bench_cupti_report: CUPTI block per run" 0 "$(has "| active | 95000 / 95000 / 0 | 0 / 0 / 40 |" "$T/BENCH_CUPTI.md")"
+"$PY" "$HERE/synth.py" bench_cupti "$T/bc2" --cupti-slow --drop-run --state busy
+"$PY" "$GPU/bench_cupti_report.py" report --dir "$T/bc2.d" --plan "$T/bc2.d/plan.tsv" \
+    --out "$T/BENCH_CUPTI2.md" >/dev/null 2>&1 || true
+check "bench_cupti_report: target not met" 0 "$(has "(NOT MET" "$T/BENCH_CUPTI2.md")"
+check "bench_cupti_report: missing run listed" 0 "$(has "runs without a result: r2_profiler" "$T/BENCH_CUPTI2.md")"
+check "bench_cupti_report: CUPTI not active warned" 0 "$(has "CUPTI state in the CUPTI-mode runs: busy" "$T/BENCH_CUPTI2.md")"
+"$PY" -c 'import json,sys; w=json.load(open(sys.argv[1])); json.dump({"pid": 4242, "window_start_ns": w["phaseA"]["start_ns"], "window_end_ns": w["phaseB"]["end_ns"]}, open(sys.argv[2], "w"))' \
+    "$T/ct1.json" "$T/ext_w.json"
+"$PY" "$GPU/bench_cupti_report.py" extract --events "$T/ct1.jsonl.gz" --workload "$T/ext_w.json" \
+    --out "$T/ext.obs.json" >/dev/null
+check "bench_cupti_report extract: launches in window, CUPTI block" 0 "$(has '"launches_in_window": 321' "$T/ext.obs.json")$(has '"state": "active"' "$T/ext.obs.json" | tr -d 0)"
+"$PY" "$GPU/bench_cupti_report.py" extract --events "$T/nonexistent.jsonl" --out "$T/ext2.obs.json" >/dev/null
+check "bench_cupti_report extract without output" 0 "$(has '"error"' "$T/ext2.obs.json")"
+
 # --- lib.sh observer lifecycle with the fake observer
 lifecycle() { # mode -> prints start-rc stop-rc summary-present
     (
@@ -159,6 +265,7 @@ lifecycle() { # mode -> prints start-rc stop-rc summary-present
         READY_TIMEOUT=3
         STOP_TIMEOUT=2
         OBSERVER="$HERE/fake_observer.py"
+        # shellcheck disable=SC2030
         export FAKE_MODE=$1
         install_traps
         src=0
@@ -218,6 +325,115 @@ alive=0
 [[ -d /proc/$p ]] && alive=1
 check "EXIT trap stopped the observer" 0 "$alive"
 check "EXIT trap stop wrote summary" 0 "$(has '"summary"' "$T/trap.jsonl")"
+
+# --- run mode: `gpu-observer run -- CMD` (start_observer_run / wait_observer_run)
+runlife() { # case -> prints "start-rc wait-rc OBS_RC summary-present cmd-gone"
+    (
+        # shellcheck source=SCRIPTDIR/../lib.sh
+        source "$GPU/lib.sh"
+        READY_TIMEOUT=3
+        STOP_TIMEOUT=3
+        OBSERVER="$HERE/fake_observer.py"
+        install_traps
+        local c=$1 src=0 wrc=0 j="$T/run_$1.jsonl"
+        local -a cmd=(true)
+        local to=10
+        # shellcheck disable=SC2031,SC2016  # FAKE_MODE: this subshell's; '$X': the command's shell
+        case $c in
+        exit3) cmd=(sh -c 'exit 3') ;;
+        hang)
+            cmd=(sleep 30)
+            to=1
+            ;;
+        die) export FAKE_MODE=die_early ;;
+        env) cmd=(sh -c 'test "$SELFTEST_X" = 42 && test -n "$CUDA_INJECTION64_PATH"') ;;
+        esac
+        # shellcheck disable=SC2030
+        OBS_ENV=(SELFTEST_X=42)
+        start_observer_run "$j" "$T/run_$c.err" "$T/run_$c.log" --trace-all -- "${cmd[@]}" \
+            >"$T/run_$c.out" 2>&1 || src=$?
+        OBS_ENV=()
+        local kids=""
+        [[ -z $OBS_PID ]] || { sleep 0.3; kids=$(child_pids "$OBS_PID"); }
+        [[ $c != hang || -n $kids ]] || kids=missing
+        wait_observer_run "$to" >>"$T/run_$c.out" 2>&1 || wrc=$?
+        sum=0
+        grep -q '"scope": "process"' "$j" 2>/dev/null && sum=1
+        gone=1
+        # shellcheck disable=SC2086
+        [[ $kids == missing ]] || ! any_alive $kids || gone=0
+        [[ $kids != missing ]] || gone=nokids
+        echo "$src $wrc ${OBS_RC:-none} $sum $gone"
+    )
+}
+check "run mode: command exits 0 -> observer rc 0, summary" "0 0 0 1 1" "$(runlife ok)"
+check "run mode: command exit status passed on" "0 0 3 1 1" "$(runlife exit3)"
+check "run mode: environment and injection path reach the command" "0 0 0 1 1" "$(runlife env)"
+check "run mode: hung command stopped after the timeout" "0 1 143 1 1" "$(runlife hang)"
+check "run mode: observer dies before ready" "1 0 3 0 1" "$(runlife die)"
+check "run mode: ready line and --trace-all passed" 0 "$(has '"trace_all": true' "$T/run_ok.jsonl")"
+rcu=$(
+    # shellcheck source=SCRIPTDIR/../lib.sh
+    source "$GPU/lib.sh"
+    OBSERVER="$HERE/fake_observer.py"
+    # shellcheck disable=SC2030
+    CUPTI_LIB=""
+    resolve_cupti "$T/noroot" "$T/rh1.txt"
+    a="$CUPTI_SKIP|$OBS_RUN_HELP"
+    CUPTI_LIB="$HERE/synth.py"
+    resolve_cupti "$T/noroot" "$T/rh2.txt"
+    b="$CUPTI_SKIP|${CUPTI_ARGS[*]}"
+    export FAKE_NO_RUN=1
+    resolve_cupti "$T/noroot" "$T/rh3.txt"
+    echo "$a#$b#$CUPTI_SKIP"
+)
+check "resolve_cupti: no library found" 0 "$([[ $rcu == "no libgpu_observer_cupti.so"*"|yes#"* ]] && echo 0 || echo "1 ($rcu)")"
+check "resolve_cupti: CUPTI_LIB passed as --cupti-lib" 0 "$([[ $rcu == *"#|--cupti-lib $HERE/synth.py#"* ]] && echo 0 || echo "1 ($rcu)")"
+check "resolve_cupti: observer without run" 0 "$([[ $rcu == *"#the observer has no 'run' subcommand"* ]] && echo 0 || echo "1 ($rcu)")"
+
+# EXIT trap in run mode: the observer and its command are stopped
+(
+    # shellcheck source=SCRIPTDIR/../lib.sh
+    source "$GPU/lib.sh"
+    OBSERVER="$HERE/fake_observer.py"
+    READY_TIMEOUT=3
+    STOP_TIMEOUT=3
+    install_traps
+    start_observer_run "$T/trap_run.jsonl" "$T/trap_run.err" "$T/trap_run.log" -- sleep 45 >/dev/null 2>&1
+    sleep 0.5
+    echo "$OBS_PID $(child_pids "$OBS_PID")" >"$T/trap_run.pid"
+    exit 0
+) >/dev/null 2>&1 || true
+read -r op cp_ <"$T/trap_run.pid" || true
+alive=0
+[[ -n ${op:-} && -d /proc/$op ]] && alive=1
+[[ -n ${cp_:-} && -d /proc/$cp_ ]] && alive=$((alive + 2))
+check "EXIT trap stopped the run-mode observer and its command" 0 "$alive"
+check "EXIT trap (run mode): summary written" 0 "$(has '"scope": "total"' "$T/trap_run.jsonl")"
+
+# --- bench_cupti.sh end to end with the fake observer and workload
+bench_cupti_e2e() { # name [env...] -> rc
+    local n=$1 rc=0
+    shift
+    env "$@" OBSERVER="$HERE/fake_observer.py" BENCH_WORKLOAD="$HERE/fake_train_bench.py" \
+        CUPTI_LIB="$HERE/synth.py" ALLOW_NO_GPU=1 ALLOW_NONROOT=1 READY_TIMEOUT=5 STOP_TIMEOUT=5 \
+        ROUNDS=1 STEPS=20 WORK_DIR="$T/$n.work" PYTHON="$PY" \
+        bash "$GPU/bench_cupti.sh" "$T/$n.out" >"$T/$n.log" 2>&1 || rc=$?
+    echo "$rc"
+}
+check "bench_cupti.sh end to end (fakes)" 0 "$(bench_cupti_e2e bce1)"
+check "bench_cupti.sh: report in the output dir" 0 "$(has "CUPTI mode overhead: +2.00% (MET" "$T/bce1.out/BENCH_CUPTI.md")"
+check "bench_cupti.sh: at most 8 files out" 0 "$(($(find "$T/bce1.out" -type f | wc -l) <= 8 ? 0 : 1))"
+check "bench_cupti.sh: summary json" 0 "$(has '"target_met": true' "$T/bce1.out/bench-cupti-summary.json")"
+check "bench_cupti.sh: rotated order, CUPTI block of the run" 0 "$(has "| 1 | cupti | \`r1_cupti\` | 0 |" "$T/bce1.out/BENCH_CUPTI.md")"
+check "bench_cupti.sh: profiler activities described" 0 "$(has "(d) torch.profiler, CPU + CUDA activities" "$T/bce1.out/BENCH_CUPTI.md")"
+check "bench_cupti.sh: no JSONL left" 0 "$(find "$T/bce1.work" -name '*.jsonl' | wc -l)"
+check "bench_cupti.sh: a failing run -> rc 1, report still written" 1 "$(bench_cupti_e2e bce2 FAKE_TRAIN_FAIL=profiler)"
+check "bench_cupti.sh: PROFILER_ACTIVITIES=cuda" 0 "$(bench_cupti_e2e bce4 PROFILER_ACTIVITIES=cuda MODES="base profiler")"
+check "bench_cupti.sh: CUDA-only profiler described" 0 "$(has "CUDA activities only" "$T/bce4.out/BENCH_CUPTI.md")"
+check "bench_cupti.sh: failing run listed" 0 "$(has "runs without a result: r1_profiler" "$T/bce2.out/BENCH_CUPTI.md")"
+check "bench_cupti.sh: observer without run -> rc 1" 1 "$(bench_cupti_e2e bce3 FAKE_NO_RUN=1)"
+check "bench_cupti.sh: says why" 0 "$(has "no 'run' subcommand" "$T/bce3.log")"
 
 echo "$pass passed, $fail failed"
 ((fail == 0))
