@@ -16,7 +16,8 @@ GT.json is written by `cuda-ground-truth --out` (workloads/cuda-ground-truth):
 Observer contract relied on (JSONL, see the top-level README):
   - every probed call is one event with `api` = exact symbol; module loads are type
     "module", name lookups type "symbol"; events are counted by `api` whatever their type
-    (ioctl, memory, leak, summary and process_exit lines are not calls);
+    (ioctl, memory, leak, summary and process_exit lines are not calls, nor are the CUPTI
+    lines gpu_kernel, gpu_memcpy, gpu_memset and cupti of a run under `gpu-observer run`);
   - `launch`: `kernel` (demangled name, null when unresolved), `kernel_mangled`, `grid`,
     `block`, `shared_mem_bytes`, `stream`;
   - `memcpy`: `direction` (inferred for generic copies), `host_memory` ("pinned" |
@@ -58,7 +59,10 @@ sys.path.insert(0, HERE)
 from compare import as_int, eprint, fmt_table, open_text, short  # noqa: E402
 
 DEFAULT_API_TABLE = os.path.join(HERE, "..", "gpu-observer-common", "src", "api.rs")
-NOT_CALLS = {"ioctl", "memory", "leak", "summary", "process_exit"}
+# Lines that are not probed calls; the CUPTI lines of a run under `gpu-observer run` carry the
+# `api` of the call that launched their work, and must not count as calls a second time.
+NOT_CALLS = {"ioctl", "memory", "leak", "summary", "process_exit", "gpu_kernel", "gpu_memcpy",
+             "gpu_memset", "cupti"}
 GENERIC_COPY = re.compile(r"^cuMemcpy(Async|Peer|PeerAsync)?(_ptds|_ptsz)?$")
 
 # Used when api.rs is not at hand (a copy of its APIS names, issue 3).

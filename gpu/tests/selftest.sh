@@ -168,6 +168,9 @@ check "cupti torch: queue delay shown" 0 "$(has "queue delay (gpu_start_ns − l
 check "cupti torch: profiler skipped is informational" 0 "$(has "profiler not run" "$T/cupti_ct1.section.md")"
 check "cupti torch: graph kernels set aside" 0 "$(has "| gpu_kernel (not in a graph) = uprobe launch events (not cuGraphLaunch\*) | 270 | 270 |" "$T/cupti_ct1.section.md")"
 check "cupti torch: state from the summary" 0 "$(has "CUPTI state (per-process summary) | active | active" "$T/cupti_ct1.section.md")"
+check "cupti torch: delta by the API record CUPTI timed" 0 "$(has "\`cudaLaunchKernel\` median" "$T/cupti_ct1.section.md")"
+"$PY" "$HERE/synth.py" cupti_torch "$T/ct1b" --top-kernels
+check "cupti torch: top kernels of the summary block" 00 "$(cu_rc "$T/ct1b" cupti_ct1b)$(has "top kernels by GPU time: kernel=k7" "$T/cupti_ct1b.section.md")"
 "$PY" "$HERE/synth.py" cupti_torch "$T/ct2" --unjoined 1
 check "cupti torch: one unjoined gpu_kernel -> fail" 1 "$(cu_rc "$T/ct2" cupti_ct2)"
 "$PY" "$HERE/synth.py" cupti_torch "$T/ct3" --ts-off 1
@@ -193,6 +196,7 @@ check "cupti torch: pid fallback warned" 0 "$(has "falling back" "$T/cupti_ct9.o
 check "cupti ground truth -> pass" 0 "$(cu_rc "$T/cg1" cupti_cg1)"
 check "cupti ground truth: names with counts" 0 "$(has "gpu_kernel named \`scale_vec(float\*, float, unsigned int)\` | 4 | 4" "$T/cupti_cg1.section.md")"
 check "cupti ground truth: memcpy vs the workload" 0 "$(has "gpu_memcpy = copies the workload made | 22 | 22" "$T/cupti_cg1.section.md")"
+check "ground truth under run: CUPTI lines are not calls (uprobe checks pass)" 0 "$(gt_rc "$T/cg1" cupti_cg1_uprobes)"
 g=0
 for fault in "--unjoined 1" "--ts-off 1" "--drop-gpu-kernel 1" "--state busy" "--state failed"; do
     g=$((g + 1))
@@ -426,11 +430,11 @@ check "bench_cupti.sh: report in the output dir" 0 "$(has "CUPTI mode overhead: 
 check "bench_cupti.sh: at most 8 files out" 0 "$(($(find "$T/bce1.out" -type f | wc -l) <= 8 ? 0 : 1))"
 check "bench_cupti.sh: summary json" 0 "$(has '"target_met": true' "$T/bce1.out/bench-cupti-summary.json")"
 check "bench_cupti.sh: rotated order, CUPTI block of the run" 0 "$(has "| 1 | cupti | \`r1_cupti\` | 0 |" "$T/bce1.out/BENCH_CUPTI.md")"
-check "bench_cupti.sh: profiler activities described" 0 "$(has "(d) torch.profiler, CPU + CUDA activities" "$T/bce1.out/BENCH_CUPTI.md")"
+check "bench_cupti.sh: profiler activities described (default cuda)" 0 "$(has "(d) torch.profiler, CUDA activities only" "$T/bce1.out/BENCH_CUPTI.md")"
 check "bench_cupti.sh: no JSONL left" 0 "$(find "$T/bce1.work" -name '*.jsonl' | wc -l)"
 check "bench_cupti.sh: a failing run -> rc 1, report still written" 1 "$(bench_cupti_e2e bce2 FAKE_TRAIN_FAIL=profiler)"
-check "bench_cupti.sh: PROFILER_ACTIVITIES=cuda" 0 "$(bench_cupti_e2e bce4 PROFILER_ACTIVITIES=cuda MODES="base profiler")"
-check "bench_cupti.sh: CUDA-only profiler described" 0 "$(has "CUDA activities only" "$T/bce4.out/BENCH_CUPTI.md")"
+check "bench_cupti.sh: PROFILER_ACTIVITIES=cpu,cuda" 0 "$(bench_cupti_e2e bce4 PROFILER_ACTIVITIES=cpu,cuda MODES="base profiler")"
+check "bench_cupti.sh: CPU + CUDA profiler described" 0 "$(has "(d) torch.profiler, CPU + CUDA activities" "$T/bce4.out/BENCH_CUPTI.md")"
 check "bench_cupti.sh: failing run listed" 0 "$(has "runs without a result: r1_profiler" "$T/bce2.out/BENCH_CUPTI.md")"
 check "bench_cupti.sh: observer without run -> rc 1" 1 "$(bench_cupti_e2e bce3 FAKE_NO_RUN=1)"
 check "bench_cupti.sh: says why" 0 "$(has "no 'run' subcommand" "$T/bce3.log")"

@@ -377,7 +377,9 @@ def add_cupti(a, out, w, opid, windows, names=None):
                 kern = e.get("kernel")
                 if kern is None and e.get("kernel_mangled"):
                     kern = names.get(e["kernel_mangled"], e["kernel_mangled"])
+                capi = "cudaLaunchKernel" if e.get("api") == "cuLaunchKernel" else e.get("api")
                 gpu.append(dict(common, type="gpu_kernel", ts_ns=start, api=e.get("api"),
+                                cupti_api=capi,
                                 gpu_start_ns=start, gpu_end_ns=end, gpu_duration_ns=end - start,
                                 launch_ts_ns=ts, queue_delay_ns=start - ts,
                                 cupti_api_start_ns=ts + 700 + (corr % 5) * 100,
@@ -440,6 +442,8 @@ def add_cupti(a, out, w, opid, windows, names=None):
              "unjoined": len(kern) - joined,
              "gpu_kernel_ns": sum(g.get("gpu_duration_ns") or 0 for g in kern),
              "cupti_dropped": 0, "rate_limited": 0, "buffers": 3}
+    if a.top_kernels:
+        block["top_kernels"] = [{"kernel": "k7", "count": 30, "gpu_ns": 900}]
     allv = evs + gpu + lines
     t_end = max(e["ts_ns"] for e in allv) + 1000
     psum = {"type": "summary", "scope": "process", "pid": opid, "comm": comm,
@@ -567,6 +571,7 @@ def main():
                     help="cupti_torch: phase B keeps the profiler's counts")
     ap.add_argument("--no-cupti-block", action="store_true",
                     help="cupti: per-process summary without the cupti block")
+    ap.add_argument("--top-kernels", action="store_true", help="cupti: top_kernels in the block")
     ap.add_argument("--cupti-slow", action="store_true", help="bench_cupti: CUPTI mode 12%% slower")
     ap.add_argument("--drop-run", action="store_true", help="bench_cupti: one run missing")
     a = ap.parse_args()

@@ -22,8 +22,10 @@ use gpu_observer_common::{
 
 use crate::decode::KernelName;
 
-/// uprobe calls kept per thread, waiting for their API record.
-const MAX_RECENT_PER_THREAD: usize = 8192;
+/// uprobe calls of a process kept waiting for their API record. CUPTI delivers records a
+/// flush period (0.5 s) or more after the call: a training loop launching 20 000 kernels a
+/// second has ~10 000 waiting; this leaves room for 25 times that (~10 MB).
+const MAX_RECENT: usize = 262_144;
 /// Threads with calls waiting.
 const MAX_THREADS: usize = 4096;
 /// Correlation ids remembered (a graph launch's kernels all use one).
@@ -172,6 +174,8 @@ pub struct GpuStats {
     pub api_records: u64,
     /// API records whose uprobe call was not found (it ran before the observer attached).
     pub api_unmatched: u64,
+    /// uprobe calls dropped from the join's bounded wait (too many waiting, or over 30 s).
+    pub recent_evicted: u64,
     /// Kernels by demangled name: (count, GPU ns).
     pub by_kernel: BTreeMap<Arc<str>, (u64, u64)>,
     /// First and last GPU timestamps seen, for the busy fraction.
@@ -225,6 +229,8 @@ pub struct GpuState {
     devices: HashMap<u32, Device>,
     names: HashMap<u64, Arc<KernelName>>,
     recent: HashMap<u32, VecDeque<Recent>>,
+    /// Entries in `recent`, all threads.
+    recent_len: usize,
     origins: HashMap<u32, Origin>,
     origin_order: VecDeque<u32>,
     pending: HashMap<u32, Vec<GpuRecord>>,
@@ -236,13 +242,26 @@ impl GpuState {
     /// A launch/copy/memset call of this process, seen by the uprobes.
     pub fn call(&mut self, tid: u32, r: Recent) {
         if !self.recent.contains_key(&tid) && self.recent.len() >= MAX_THREADS {
+            self.stats.recent_evicted += 1;
             return;
         }
         let q = self.recent.entry(tid).or_default();
-        while q.front().is_some_and(|f| f.ts_ns + RECENT_AGE_NS < r.ts_ns) || q.len() >= MAX_RECENT_PER_THREAD {
+        while let Some(f) = q.front() {
+            let aged = f.ts_ns + RECENT_AGE_NS < r.ts_ns;
+            if !aged && self.recent_len < MAX_RECENT {
+                break;
+            }
             q.pop_front();
+            self.recent_len -= 1;
+            self.stats.recent_evicted += 1;
+        }
+        if self.recent_len >= MAX_RECENT {
+            // Full with other threads' calls: this one cannot wait.
+            self.stats.recent_evicted += 1;
+            return;
         }
         q.push_back(r);
+        self.recent_len += 1;
     }
 
     pub fn name(&mut self, key: u64, name: Arc<KernelName>) {
@@ -319,6 +338,7 @@ impl GpuState {
             });
             (name, found)
         };
+        self.recent_len -= usize::from(found.is_some());
         self.stats.api_records += 1;
         if found.is_none() {
             self.stats.api_unmatched += 1;
@@ -623,6 +643,20 @@ mod tests {
         g.record(1, [0; 16], &cp, &mut out);
         assert_eq!(g.stats.api_unmatched, 1);
         assert_eq!(runtime_name("cudaMemcpy_ptds_v7000"), "cudaMemcpy_ptds");
+    }
+
+    #[test]
+    fn waiting_calls_are_bounded_per_process_and_counted() {
+        let mut g = GpuState::default();
+        for i in 0..(MAX_RECENT as u64 + 10) {
+            g.call((i % 3) as u32, launch(1_000 + i));
+        }
+        assert_eq!(g.recent_len, MAX_RECENT);
+        assert_eq!(g.recent.values().map(VecDeque::len).sum::<usize>(), MAX_RECENT);
+        assert_eq!(g.stats.recent_evicted, 10);
+        // Thirty seconds later the old ones age out as new calls come.
+        g.call(0, launch(40_000_000_000));
+        assert!(g.recent[&0].len() == 1 && g.recent_len < MAX_RECENT);
     }
 
     #[test]

@@ -132,7 +132,7 @@ impl<W: Write> JsonlWriter<W> {
         let (s, st) = (&g.stats, &g.status);
         write!(
             o,
-            ",\"cupti\":{{\"state\":\"{}\",\"cupti_result\":{},\"kernels\":{},\"memcpys\":{},\"memsets\":{},\"joined\":{},\"unjoined\":{},\"api_records\":{},\"api_unmatched\":{},\"gpu_kernel_ns\":{},\"gpu_memcpy_ns\":{},\"gpu_memset_ns\":{},\"gpu_span_ns\":{},\"queue_delay_avg_ns\":{},\"queue_delay_max_ns\":{},\"cupti_dropped\":{},\"rate_limited\":{},\"forwarded\":{},\"buffers\":{},\"buffer_bytes\":{},\"rate_limit\":{},\"top_kernels\":[",
+            ",\"cupti\":{{\"state\":\"{}\",\"cupti_result\":{},\"kernels\":{},\"memcpys\":{},\"memsets\":{},\"joined\":{},\"unjoined\":{},\"api_records\":{},\"api_unmatched\":{},\"calls_evicted\":{},\"gpu_kernel_ns\":{},\"gpu_memcpy_ns\":{},\"gpu_memset_ns\":{},\"gpu_span_ns\":{},\"queue_delay_avg_ns\":{},\"queue_delay_max_ns\":{},\"cupti_dropped\":{},\"rate_limited\":{},\"forwarded\":{},\"buffers\":{},\"buffer_bytes\":{},\"rate_limit\":{},\"top_kernels\":[",
             state_name(st.state),
             st.cupti_result,
             s.kernels,
@@ -142,6 +142,7 @@ impl<W: Write> JsonlWriter<W> {
             s.unjoined,
             s.api_records,
             s.api_unmatched,
+            s.recent_evicted,
             s.kernel_ns,
             s.memcpy_ns,
             s.memset_ns,
