@@ -154,6 +154,44 @@ def open_text(path):
     return open(path, "r", encoding="utf-8", errors="replace")
 
 
+class ReadCounts:
+    """Lines read from a JSONL file, and how many of them were not JSON objects."""
+
+    def __init__(self):
+        self.lines = 0
+        self.bad = 0
+
+
+def read_events(path, counts):
+    """The JSON objects of a (possibly gzipped) JSONL file; counts lines and bad lines."""
+    with open_text(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            counts.lines += 1
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                counts.bad += 1
+                continue
+            if not isinstance(ev, dict):
+                counts.bad += 1
+                continue
+            yield ev
+
+
+def write_outputs(a, md, result):
+    """The Markdown section (--section-out) and the JSON result (--result-out), if asked for."""
+    if a.section_out:
+        with open(a.section_out, "w", encoding="utf-8") as f:
+            f.write("\n".join(md) + "\n")
+    if a.result_out:
+        with open(a.result_out, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1, default=str)
+            f.write("\n")
+
+
 def as_int(v, default=None):
     if v is None:
         return default
@@ -300,45 +338,33 @@ def scan(path, wins):
     pid_comms = defaultdict(Counter)
     pid_apis = defaultdict(Counter)
     summary = None
-    lines = bad = no_ts = 0
+    no_ts = 0
     lo = min(w.start for w in wins)
     hi = max(w.end for w in wins)
-    with open_text(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            lines += 1
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                bad += 1
-                continue
-            if not isinstance(ev, dict):
-                bad += 1
-                continue
-            if ev.get("type") == "summary":
-                summary = ev
-                continue
-            pid = as_int(ev.get("pid"))
-            pid_total[pid] += 1
-            comm = ev.get("comm")
-            if comm is not None:
-                pid_comms[pid][str(comm)] += 1
-            api = ev.get("api")
-            if api:
-                pid_apis[pid][(str(ev.get("type", "?")), str(api))] += 1
-            ts = as_int(ev.get("ts_ns"))
-            if ts is None:
-                no_ts += 1
-                continue
-            if ts < lo or ts > hi:
-                continue
-            for i, w in enumerate(wins):
-                if w.start <= ts <= w.end:
-                    in_win[i][pid].append(ev)
+    counts = ReadCounts()
+    for ev in read_events(path, counts):
+        if ev.get("type") == "summary":
+            summary = ev
+            continue
+        pid = as_int(ev.get("pid"))
+        pid_total[pid] += 1
+        comm = ev.get("comm")
+        if comm is not None:
+            pid_comms[pid][str(comm)] += 1
+        api = ev.get("api")
+        if api:
+            pid_apis[pid][(str(ev.get("type", "?")), str(api))] += 1
+        ts = as_int(ev.get("ts_ns"))
+        if ts is None:
+            no_ts += 1
+            continue
+        if ts < lo or ts > hi:
+            continue
+        for i, w in enumerate(wins):
+            if w.start <= ts <= w.end:
+                in_win[i][pid].append(ev)
     return {"in_win": in_win, "pid_total": pid_total, "pid_comms": pid_comms,
-            "pid_apis": pid_apis, "summary": summary, "lines": lines, "bad": bad,
+            "pid_apis": pid_apis, "summary": summary, "lines": counts.lines, "bad": counts.bad,
             "no_ts": no_ts}
 
 
@@ -649,13 +675,7 @@ def main():
     con.append(f"== {a.name}: {result['status']}")
     print("\n".join(con), flush=True)
 
-    if a.section_out:
-        with open(a.section_out, "w", encoding="utf-8") as f:
-            f.write("\n".join(md) + "\n")
-    if a.result_out:
-        with open(a.result_out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1, default=str)
-            f.write("\n")
+    write_outputs(a, md, result)
     return 0 if overall_ok else 1
 
 

@@ -64,7 +64,9 @@ from collections import Counter, defaultdict
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, HERE)
-from compare import as_int, eprint, fmt_table, match_names, norm_name, open_text, short  # noqa: E402
+from compare import (  # noqa: E402
+    ReadCounts, as_int, eprint, fmt_table, match_names, norm_name, read_events, short, write_outputs,
+)
 
 TOLERANCE_NS = 5000
 GPU_TYPES = ("gpu_kernel", "gpu_memcpy", "gpu_memset")
@@ -217,56 +219,43 @@ def gpu_ts(ev):
 def scan(path):
     pids = defaultdict(PidData)
     total = None
-    lines = bad = 0
-    with open_text(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            lines += 1
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                bad += 1
-                continue
-            if not isinstance(ev, dict):
-                bad += 1
-                continue
-            typ = ev.get("type")
-            pid = as_int(ev.get("pid"))
-            if typ == "summary":
-                if ev.get("scope") == "process" and pid is not None:
-                    pids[pid].summary = ev
-                elif pid is None or ev.get("scope") == "total":
-                    total = ev
-                continue
-            if pid is None:
-                continue
-            d = pids[pid]
-            d.events += 1
-            if ev.get("comm") is not None:
-                d.comms[str(ev["comm"])] += 1
-            if typ == "gpu_kernel":
-                k = {f: ev.get(f) for f in KERNEL_FIELDS}
-                for f in INT_FIELDS:
-                    k[f] = as_int(k[f])
-                k["ts"] = gpu_ts(ev)
-                d.kernels.append(k)
-            elif typ == "gpu_memcpy":
-                d.gmemcpy.append((gpu_ts(ev), str(ev.get("copy_kind")), as_int(ev.get("bytes"), 0) or 0))
-            elif typ == "gpu_memset":
-                d.gmemset.append((gpu_ts(ev), as_int(ev.get("bytes"), 0) or 0))
-            elif typ == "launch":
-                d.launches.append((as_int(ev.get("ts_ns")), as_int(ev.get("tid")),
-                                   str(ev.get("api") or ""), ev.get("kernel")))
-            elif typ == "memcpy":
-                d.copies.append((as_int(ev.get("ts_ns")), str(ev.get("direction")),
-                                 as_int(ev.get("bytes"), 0) or 0))
-            elif typ == "memset":
-                d.memsets.append(as_int(ev.get("ts_ns")))
-            elif typ == "cupti":
-                d.cupti.append(ev)
-    return {"pids": pids, "total": total, "lines": lines, "bad": bad}
+    counts = ReadCounts()
+    for ev in read_events(path, counts):
+        typ = ev.get("type")
+        pid = as_int(ev.get("pid"))
+        if typ == "summary":
+            if ev.get("scope") == "process" and pid is not None:
+                pids[pid].summary = ev
+            elif pid is None or ev.get("scope") == "total":
+                total = ev
+            continue
+        if pid is None:
+            continue
+        d = pids[pid]
+        d.events += 1
+        if ev.get("comm") is not None:
+            d.comms[str(ev["comm"])] += 1
+        if typ == "gpu_kernel":
+            k = {f: ev.get(f) for f in KERNEL_FIELDS}
+            for f in INT_FIELDS:
+                k[f] = as_int(k[f])
+            k["ts"] = gpu_ts(ev)
+            d.kernels.append(k)
+        elif typ == "gpu_memcpy":
+            d.gmemcpy.append((gpu_ts(ev), str(ev.get("copy_kind")), as_int(ev.get("bytes"), 0) or 0))
+        elif typ == "gpu_memset":
+            d.gmemset.append((gpu_ts(ev), as_int(ev.get("bytes"), 0) or 0))
+        elif typ == "launch":
+            d.launches.append((as_int(ev.get("ts_ns")), as_int(ev.get("tid")),
+                               str(ev.get("api") or ""), ev.get("kernel")))
+        elif typ == "memcpy":
+            d.copies.append((as_int(ev.get("ts_ns")), str(ev.get("direction")),
+                             as_int(ev.get("bytes"), 0) or 0))
+        elif typ == "memset":
+            d.memsets.append(as_int(ev.get("ts_ns")))
+        elif typ == "cupti":
+            d.cupti.append(ev)
+    return {"pids": pids, "total": total, "lines": counts.lines, "bad": counts.bad}
 
 
 def resolve_pid(want, hint, sc, notes):
@@ -660,13 +649,7 @@ def main():
     con.extend("   " + n for n in notes)
     con.append(f"== {a.name}: {result['status']}")
     print("\n".join(con), flush=True)
-    if a.section_out:
-        with open(a.section_out, "w", encoding="utf-8") as f:
-            f.write("\n".join(md) + "\n")
-    if a.result_out:
-        with open(a.result_out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1, default=str)
-            f.write("\n")
+    write_outputs(a, md, result)
     return 0 if overall else 1
 
 

@@ -56,7 +56,7 @@ from collections import Counter, defaultdict
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, HERE)
-from compare import as_int, eprint, fmt_table, open_text, short  # noqa: E402
+from compare import ReadCounts, as_int, eprint, fmt_table, read_events, short, write_outputs  # noqa: E402
 
 DEFAULT_API_TABLE = os.path.join(HERE, "..", "gpu-observer-common", "src", "api.rs")
 # Lines that are not probed calls; the CUPTI lines of a run under `gpu-observer run` carry the
@@ -140,40 +140,27 @@ def scan(path, start, end):
     comms = defaultdict(Counter)
     totals = Counter()
     total_summary = None
-    lines = bad = 0
-    with open_text(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            lines += 1
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                bad += 1
-                continue
-            if not isinstance(ev, dict):
-                bad += 1
-                continue
-            typ = ev.get("type")
-            pid = as_int(ev.get("pid"))
-            if typ == "summary":
-                if ev.get("scope") == "process" and pid is not None:
-                    summaries[pid] = ev
-                elif pid is None:
-                    total_summary = ev
-                continue
-            if typ == "leak":
-                leaks[pid].append(ev)
-                continue
-            totals[pid] += 1
-            if ev.get("comm") is not None:
-                comms[pid][str(ev["comm"])] += 1
-            ts = as_int(ev.get("ts_ns"))
-            if ts is not None and start <= ts <= end:
-                per_pid[pid].append(ev)
+    counts = ReadCounts()
+    for ev in read_events(path, counts):
+        typ = ev.get("type")
+        pid = as_int(ev.get("pid"))
+        if typ == "summary":
+            if ev.get("scope") == "process" and pid is not None:
+                summaries[pid] = ev
+            elif pid is None:
+                total_summary = ev
+            continue
+        if typ == "leak":
+            leaks[pid].append(ev)
+            continue
+        totals[pid] += 1
+        if ev.get("comm") is not None:
+            comms[pid][str(ev["comm"])] += 1
+        ts = as_int(ev.get("ts_ns"))
+        if ts is not None and start <= ts <= end:
+            per_pid[pid].append(ev)
     return {"in_win": per_pid, "leaks": leaks, "summaries": summaries, "comms": comms,
-            "totals": totals, "summary": total_summary, "lines": lines, "bad": bad}
+            "totals": totals, "summary": total_summary, "lines": counts.lines, "bad": counts.bad}
 
 
 def resolve_pid(want, hint, sc, notes):
@@ -456,13 +443,7 @@ def main():
                                        "captured": c.captured, "strict": c.strict, "ok": c.ok,
                                        "group": c.group} for c in checks],
                            "per_api": {f"{t}/{api}": n for (t, api), n in by_type_api.items()}}]}
-    if a.section_out:
-        with open(a.section_out, "w", encoding="utf-8") as f:
-            f.write("\n".join(md) + "\n")
-    if a.result_out:
-        with open(a.result_out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1, default=str)
-            f.write("\n")
+    write_outputs(a, md, result)
     return 0 if ok else 1
 
 

@@ -45,6 +45,22 @@ fn u64_at(r: &[u8], off: usize) -> u64 {
     u64::from_ne_bytes(r[off..off + 8].try_into().expect("8 bytes"))
 }
 
+/// The fields `CUpti_ActivityMemcpy6` and `CUpti_ActivityMemset4` keep at the same offsets.
+fn transfer(r: &[u8], kind: GpuRecordKind) -> GpuRecord {
+    GpuRecord {
+        kind: kind as u32,
+        bytes: u64_at(r, 8),
+        start_ns: u64_at(r, 16),
+        end_ns: u64_at(r, 24),
+        device: u32_at(r, 32),
+        context: u32_at(r, 36),
+        stream: u32_at(r, 40),
+        correlation_id: u32_at(r, 44),
+        graph_id: u32_at(r, 72),
+        ..Default::default()
+    }
+}
+
 /// What a CUPTI record becomes.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Converted {
@@ -106,33 +122,15 @@ pub fn convert(r: &[u8]) -> Converted {
             Converted::Kernel(rec, name)
         }
         kind::MEMCPY => Converted::Record(GpuRecord {
-            kind: GpuRecordKind::Memcpy as u32,
             copy_kind: u32::from(u8_at(r, 4)),
             src_kind: u16::from(u8_at(r, 5)),
             dst_kind: u16::from(u8_at(r, 6)),
-            bytes: u64_at(r, 8),
-            start_ns: u64_at(r, 16),
-            end_ns: u64_at(r, 24),
-            device: u32_at(r, 32),
-            context: u32_at(r, 36),
-            stream: u32_at(r, 40),
-            correlation_id: u32_at(r, 44),
-            graph_id: u32_at(r, 72),
-            ..Default::default()
+            ..transfer(r, GpuRecordKind::Memcpy)
         }),
         kind::MEMSET => Converted::Record(GpuRecord {
-            kind: GpuRecordKind::Memset as u32,
             copy_kind: u32_at(r, 4),
-            bytes: u64_at(r, 8),
-            start_ns: u64_at(r, 16),
-            end_ns: u64_at(r, 24),
-            device: u32_at(r, 32),
-            context: u32_at(r, 36),
-            stream: u32_at(r, 40),
-            correlation_id: u32_at(r, 44),
             dst_kind: u16_at(r, 50),
-            graph_id: u32_at(r, 72),
-            ..Default::default()
+            ..transfer(r, GpuRecordKind::Memset)
         }),
         _ => Converted::Skip,
     }
