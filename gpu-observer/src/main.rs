@@ -65,6 +65,8 @@ struct Attacher {
     probes: Probes,
     pid: Option<u32>,
     known_pids: HashSet<u32>,
+    /// Files that could not be attached: said once, not retried every rescan.
+    failed: HashSet<FileKey>,
 }
 
 impl Attacher {
@@ -93,7 +95,10 @@ impl Attacher {
                 }
             }
             Ok(None) => {}
-            Err(e) => say(format_args!("warning: cannot attach {}: {e:#}", path.display())),
+            Err(e) => {
+                self.failed.insert(key);
+                say(format_args!("warning: cannot attach {}: {e:#}", path.display()));
+            }
         }
     }
 
@@ -105,7 +110,10 @@ impl Attacher {
                 say(format_args!("attached CUPTI hooks {}{whose}", path.display()));
             }
             Ok(false) => {}
-            Err(e) => say(format_args!("warning: cannot attach {}: {e:#}", path.display())),
+            Err(e) => {
+                self.failed.insert(key);
+                say(format_args!("warning: cannot attach {}: {e:#}", path.display()));
+            }
         }
     }
 
@@ -117,7 +125,7 @@ impl Attacher {
         };
         let mut now = HashSet::with_capacity(self.known_pids.len());
         for lib in &libs {
-            if !self.probes.is_attached(&lib.key) {
+            if !self.probes.is_attached(&lib.key) && !self.failed.contains(&lib.key) {
                 match lib.kind {
                     LibKind::Cuda => self.attach(&lib.host_path, lib.key, Some(lib.pid)),
                     LibKind::Hooks => self.attach_hooks(&lib.host_path, lib.key, Some(lib.pid)),
@@ -163,6 +171,7 @@ async fn observe(cli: Cli) -> Result<i32> {
         probes,
         pid: pid_filter,
         known_pids: HashSet::new(),
+        failed: HashSet::new(),
     };
     if let Some(lib) = spawned.as_ref().and_then(|s| s.injection.clone()) {
         let key = FileKey::of(&lib)?;
