@@ -227,10 +227,8 @@ async fn observe(cli: Cli) -> Result<i32> {
 
     // A started program shares the terminal: no screen refreshes over its output, the summary
     // comes when it exits.
-    let live = cli.format == Format::Terminal
-        && cli.output.is_none()
-        && spawned.is_none()
-        && std::io::stdout().is_terminal();
+    let live =
+        cli.format == Format::Terminal && cli.output.is_none() && spawned.is_none() && std::io::stdout().is_terminal();
     let mut view = terminal::LiveView::default();
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
