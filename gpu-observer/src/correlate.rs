@@ -343,7 +343,16 @@ impl Correlator {
             .procs
             .entry(ev.pid)
             .or_insert_with(|| Process::new(ev.pid, ev.ts_ns));
-        if p.comm.is_empty() || ev.tid == ev.pid {
+        // GPU records come from the injection library's own threads: their names are not the
+        // process's (read it from /proc the first time, if nothing else named the process).
+        let hook = matches!(ev.body, Body::Gpu(_) | Body::GpuName { .. });
+        if hook {
+            if p.comm.is_empty() {
+                p.comm = std::fs::read_to_string(format!("/proc/{}/comm", ev.pid))
+                    .map(|c| c.trim_end().to_string())
+                    .unwrap_or_default();
+            }
+        } else if p.comm.is_empty() || ev.tid == ev.pid {
             let comm = ev.comm();
             if p.comm != comm {
                 p.comm = comm.to_string();

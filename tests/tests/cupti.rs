@@ -439,3 +439,27 @@ fn the_rate_limit_counts_every_record_it_holds_back() {
         c["kernels"].as_u64().unwrap() + c["memcpys"].as_u64().unwrap() + c["memsets"].as_u64().unwrap()
     );
 }
+
+/// A process that carries the injection library by other means (a DaemonSet-injected
+/// environment) is found by the all-process scan and joined like any other.
+#[test]
+fn an_injected_process_is_picked_up_in_all_process_mode() {
+    let _g = serial();
+    require_root();
+    let dir = scratch("cupti-all");
+    let mut w = start_workload(&dir, &[]);
+    w.cmd("init");
+    let agent = Agent::start(&dir, &[]);
+    agent.wait_stderr(
+        &format!("pid {} (cuda_workload): CUPTI active", w.pid),
+        Duration::from_secs(10),
+    );
+    w.cmd(&format!("run 1 2 {}", dir.join("expected.jsonl").display()));
+    let pid = w.pid;
+    w.exit();
+    std::thread::sleep(Duration::from_millis(300));
+    let cap = agent.stop();
+    assert!(!by_type(&cap, "gpu_kernel", pid).is_empty());
+    assert_joined(&cap, pid);
+    assert_eq!(cap.process_summary(pid)["cupti"]["unjoined"], 0);
+}
