@@ -368,26 +368,67 @@ def scan(path, wins):
             "no_ts": no_ts}
 
 
-def resolve_pid(want_pid, comm_hint, sc, notes):
-    if sc["pid_total"].get(want_pid, 0) > 0:
-        return want_pid
-    notes.append(f"WARN: no event carries the workload's pid {want_pid}")
-    if comm_hint:
-        hint = comm_hint[:15].lower()
-        cands = [p for p, comms in sc["pid_comms"].items()
-                 if any(c.lower().startswith(hint) for c in comms)]
+def pick_pid(want, hint, totals, comms, score, notes, unit="event", list_seen=True):
+    """The workload's pid, or (a PID namespace between observer and workload) the pid whose comm
+    starts with `hint`, best by `score`. totals: pid -> lines seen; comms: pid -> Counter."""
+    if totals.get(want, 0) > 0:
+        return want
+    notes.append(f"WARN: no {unit} carries the workload's pid {want}")
+    if hint:
+        h = hint[:15].lower()
+        cands = [p for p, cs in comms.items() if any(c.lower().startswith(h) for c in cs)]
         if cands:
-            # prefer the candidate with the most in-window events
-            def score(p):
-                return (sum(len(d.get(p, [])) for d in sc["in_win"]), sc["pid_total"][p])
             best = max(cands, key=score)
-            notes.append(f"WARN: falling back to pid {best} (comm starts with '{hint}'; "
+            notes.append(f"WARN: falling back to pid {best} (comm starts with '{h}'; "
                          f"PID namespace mismatch?)")
             return best
-    top = ", ".join(f"{p}:{n}({'/'.join(c for c, _ in sc['pid_comms'][p].most_common(2))})"
-                    for p, n in sc["pid_total"].most_common(8))
-    notes.append(f"pids seen (pid:events(comm)): {top or 'none'}")
-    return want_pid
+    if list_seen:
+        top = ", ".join(f"{p}:{n}({'/'.join(c for c, _ in comms[p].most_common(2))})"
+                        for p, n in sorted(totals.items(), key=lambda kv: -kv[1])[:8])
+        notes.append(f"pids seen (pid:{unit}s(comm)): {top or 'none'}")
+    return want
+
+
+def resolve_pid(want_pid, comm_hint, sc, notes):
+    def score(p):
+        # prefer the candidate with the most in-window events
+        return (sum(len(d.get(p, [])) for d in sc["in_win"]), sc["pid_total"][p])
+    return pick_pid(want_pid, comm_hint, sc["pid_total"], sc["pid_comms"], score, notes)
+
+
+class Check:
+    """One compared metric: expected vs captured; strict ones decide the result."""
+
+    def __init__(self, metric, expected, captured, strict, ok=None, label=None, show_pct=True,
+                 group=None):
+        self.metric = metric
+        self.expected = expected
+        self.captured = captured
+        self.strict = strict
+        self.ok = (expected == captured) if ok is None else bool(ok)
+        self.label = label
+        self.show_pct = show_pct
+        self.group = group
+
+    def mark(self):
+        if self.label:
+            return self.label
+        if self.ok:
+            return "ok"
+        return "**MISMATCH**" if self.strict else "differs (info)"
+
+    def pct(self):
+        e, c = self.expected, self.captured
+        if not self.show_pct or not isinstance(e, int) or not isinstance(c, int) \
+                or isinstance(e, bool) or isinstance(c, bool):
+            return "n/a"
+        if e == 0:
+            return "100.0%" if c == 0 else "n/a"
+        return f"{100.0 * c / e:.1f}%"
+
+    def as_dict(self):
+        return {"metric": self.metric, "expected": self.expected, "captured": self.captured,
+                "strict": self.strict, "ok": self.ok}
 
 
 # ---------------------------------------------------------------- checks

@@ -65,44 +65,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, HERE)
 from compare import (  # noqa: E402
-    ReadCounts, as_int, eprint, fmt_table, match_names, norm_name, read_events, short, write_outputs,
+    Check, ReadCounts, as_int, eprint, fmt_table, match_names, norm_name, pick_pid, read_events, short,
+    write_outputs,
 )
 
 TOLERANCE_NS = 5000
 GPU_TYPES = ("gpu_kernel", "gpu_memcpy", "gpu_memset")
 # copy_kind of gpu_memcpy -> direction of the uprobe memcpy event
 KIND_DIRECTION = {"htod": "cpu_to_gpu", "dtoh": "gpu_to_cpu", "dtod": "gpu_to_gpu"}
-
-
-class Check:
-    def __init__(self, metric, expected, captured, strict, ok=None, label=None, show_pct=True):
-        self.metric = metric
-        self.expected = expected
-        self.captured = captured
-        self.strict = strict
-        self.ok = (expected == captured) if ok is None else bool(ok)
-        self.label = label
-        self.show_pct = show_pct
-
-    def mark(self):
-        if self.label:
-            return self.label
-        if self.ok:
-            return "ok"
-        return "**MISMATCH**" if self.strict else "differs (info)"
-
-    def pct(self):
-        e, c = self.expected, self.captured
-        if not self.show_pct or not isinstance(e, int) or not isinstance(c, int) \
-                or isinstance(e, bool) or isinstance(c, bool):
-            return "n/a"
-        if e == 0:
-            return "100.0%" if c == 0 else "n/a"
-        return f"{100.0 * c / e:.1f}%"
-
-    def as_dict(self):
-        return {"metric": self.metric, "expected": self.expected, "captured": self.captured,
-                "strict": self.strict, "ok": self.ok}
 
 
 def percentile(sorted_vals, q):
@@ -260,21 +230,9 @@ def scan(path):
 
 def resolve_pid(want, hint, sc, notes):
     pids = sc["pids"]
-    if want in pids and pids[want].events > 0:
-        return want
-    notes.append(f"WARN: no line carries the workload's pid {want}")
-    if hint:
-        h = hint[:15].lower()
-        cands = [p for p, d in pids.items() if any(c.lower().startswith(h) for c in d.comms)]
-        if cands:
-            best = max(cands, key=lambda p: (len(pids[p].kernels), pids[p].events))
-            notes.append(f"WARN: falling back to pid {best} (comm starts with '{h}'; "
-                         f"PID namespace mismatch?)")
-            return best
-    top = ", ".join(f"{p}:{d.events}({'/'.join(c for c, _ in d.comms.most_common(2))})"
-                    for p, d in sorted(pids.items(), key=lambda kv: -kv[1].events)[:8])
-    notes.append(f"pids seen (pid:lines(comm)): {top or 'none'}")
-    return want
+    return pick_pid(want, hint, {p: d.events for p, d in pids.items()},
+                    {p: d.comms for p, d in pids.items()},
+                    lambda p: (len(pids[p].kernels), pids[p].events), notes, unit="line")
 
 
 # ---------------------------------------------------------------- checks

@@ -56,7 +56,9 @@ from collections import Counter, defaultdict
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, HERE)
-from compare import ReadCounts, as_int, eprint, fmt_table, read_events, short, write_outputs  # noqa: E402
+from compare import (  # noqa: E402
+    Check as BaseCheck, ReadCounts, as_int, eprint, fmt_table, pick_pid, read_events, short, write_outputs,
+)
 
 DEFAULT_API_TABLE = os.path.join(HERE, "..", "gpu-observer-common", "src", "api.rs")
 # Lines that are not probed calls; the CUPTI lines of a run under `gpu-observer run` carry the
@@ -115,22 +117,11 @@ def hexint(v):
     return as_int(v)
 
 
-class Check:
-    def __init__(self, group, metric, expected, captured, strict, ok=None, label=None):
-        self.label = label
-        self.group = group
-        self.metric = metric
-        self.expected = expected
-        self.captured = captured
-        self.strict = strict
-        self.ok = (expected == captured) if ok is None else ok
+class Check(BaseCheck):
+    """A check in a group of the report (calls, kernels, copies, ...)."""
 
-    def mark(self):
-        if self.label:
-            return self.label
-        if self.ok:
-            return "ok"
-        return "**MISMATCH**" if self.strict else "differs (info)"
+    def __init__(self, group, metric, expected, captured, strict, ok=None, label=None):
+        super().__init__(metric, expected, captured, strict, ok=ok, label=label, group=group)
 
 
 def scan(path, start, end):
@@ -164,18 +155,8 @@ def scan(path, start, end):
 
 
 def resolve_pid(want, hint, sc, notes):
-    if sc["totals"].get(want, 0) > 0:
-        return want
-    notes.append(f"WARN: no event carries the workload's pid {want}")
-    if hint:
-        h = hint[:15].lower()
-        cands = [p for p, cs in sc["comms"].items() if any(c.lower().startswith(h) for c in cs)]
-        if cands:
-            best = max(cands, key=lambda p: (len(sc["in_win"].get(p, [])), sc["totals"][p]))
-            notes.append(f"WARN: falling back to pid {best} (comm starts with '{h}'; "
-                         f"PID namespace mismatch?)")
-            return best
-    return want
+    return pick_pid(want, hint, sc["totals"], sc["comms"],
+                    lambda p: (len(sc["in_win"].get(p, [])), sc["totals"][p]), notes, list_seen=False)
 
 
 def latest_leaks(evs):
