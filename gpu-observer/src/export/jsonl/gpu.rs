@@ -46,7 +46,7 @@ impl<W: Write> JsonlWriter<W> {
             r.start_ns,
             r.end_ns,
             OptNum(o.and_then(|o| o.launch_ts_ns)),
-            a.queue_delay_ns().map_or_else(|| "null".to_string(), |d| d.to_string()),
+            OptNum(a.queue_delay_ns()),
             OptNum(o.map(|o| o.api_start_ns)),
             OptNum(o.map(|o| o.api_end_ns)),
             r.device,

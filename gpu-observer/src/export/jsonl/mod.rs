@@ -49,11 +49,11 @@ impl std::fmt::Display for OptHex {
 }
 
 /// An optional number: the value or `null`.
-struct OptNum(Option<u64>);
+struct OptNum<T>(Option<T>);
 
-impl std::fmt::Display for OptNum {
+impl<T: std::fmt::Display> std::fmt::Display for OptNum<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.0 {
+        match &self.0 {
             Some(v) => write!(f, "{v}"),
             None => f.write_str("null"),
         }
