@@ -79,6 +79,21 @@ pub struct Cli {
     #[arg(long, hide = true, global = true)]
     pub perf_uprobes: bool,
 
+    /// How often NVML samples every GPU (utilization, memory, power, clocks, PCIe, per-process
+    /// memory and utilization), in milliseconds. Temperature, fan, power limit, link and ECC
+    /// are read every 500 ms at most.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(10..=60_000), global = true)]
+    pub nvml_interval_ms: u64,
+
+    /// The NVML library (default: libnvidia-ml.so.1 from the loader path and the usual driver
+    /// locations).
+    #[arg(long, value_name = "PATH", global = true)]
+    pub nvml_lib: Option<PathBuf>,
+
+    /// No NVML device sampling.
+    #[arg(long, global = true)]
+    pub no_nvml: bool,
+
     /// How often to look for new libcuda files and refresh the terminal view, in milliseconds.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(50..=60_000), global = true)]
     pub interval_ms: u64,
@@ -99,12 +114,17 @@ pub enum Command {
         )]
         command: Vec<OsString>,
     },
+    /// List the GPUs NVML sees (index, name, UUID, memory, compute capability, driver, PCI
+    /// bus, SMs, max clocks, power limit) and exit. `--format json` for JSON. Needs no root.
+    Devices,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Format {
     Terminal,
     Jsonl,
+    /// One JSON document (`devices` only).
+    Json,
 }
 
 fn parse_ring_size(s: &str) -> Result<u32, String> {
@@ -146,7 +166,7 @@ mod tests {
         assert!(c.trace_all);
         match c.command {
             Some(Command::Run { command }) => assert_eq!(command, ["python3", "-u", "train.py"]),
-            None => panic!("no run"),
+            _ => panic!("no run"),
         }
         assert_eq!(
             (c.cuda_buffer_size, c.cupti_rate_limit, c.no_cupti),

@@ -12,6 +12,7 @@ mod export;
 mod ioctl_names;
 mod pipeline;
 mod preflight;
+mod sample;
 mod spawn;
 
 use std::{
@@ -40,6 +41,15 @@ use crate::{
 
 fn main() {
     let cli = Cli::parse();
+    if matches!(cli.command, Some(Command::Devices)) {
+        std::process::exit(match export::devices::print(&cli) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("gpu-observer: error: {e:#}");
+                1
+            }
+        });
+    }
     let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -163,8 +173,11 @@ async fn observe(cli: Cli) -> Result<i32> {
             bail!("`run` observes the program it starts: drop --pid")
         }
         Some(Command::Run { command }) => Some(spawn::start(command, &cli)?),
-        None => None,
+        _ => None,
     };
+    if cli.format == Format::Json {
+        bail!("--format json is for `gpu-observer devices`; events are written with --format jsonl");
+    }
     let pid_filter = spawned.as_ref().map(spawn::Spawned::pid).or(cli.pid);
     let probes = Probes::load(cli.ring_buffer_size, pid_filter, cli.perf_uprobes)?;
     let mut at = Attacher {
@@ -199,9 +212,29 @@ async fn observe(cli: Cli) -> Result<i32> {
             cli.threshold_us * 1000,
             cli.trace_all,
         )),
-        Format::Terminal => None,
+        Format::Terminal | Format::Json => None,
     };
-    let shared = Arc::new(Shared::new(Correlator::new(cli.threshold_us * 1000)));
+    let nvml_interval = Duration::from_millis(cli.nvml_interval_ms);
+    let hub = Arc::new(sample::Hub::new(
+        if cli.no_nvml {
+            sample::State::Off
+        } else {
+            sample::State::Starting
+        },
+        nvml_interval,
+        output.is_some(),
+        pid_filter,
+    ));
+    let sampler = if cli.no_nvml {
+        None
+    } else {
+        let cfg = sample::Config {
+            interval: nvml_interval,
+            lib: cli.nvml_lib.clone(),
+        };
+        Some(sample::Sampler::spawn(cfg, hub.clone())?)
+    };
+    let shared = Arc::new(Shared::new(Correlator::new(cli.threshold_us * 1000), hub.clone()));
     let reader = Reader::spawn(at.probes.take_ring()?, shared.clone(), output)?;
     let started = Instant::now();
     say("ready");
@@ -278,7 +311,9 @@ async fn observe(cli: Cli) -> Result<i32> {
                 }
                 if live {
                     let corr = shared.corr.lock().expect("correlator lock");
-                    let text = view.render(&corr, &drops, interval.as_secs_f64(), started.elapsed().as_secs_f64());
+                    let gpus = hub.lock();
+                    let text = view.render(&corr, &gpus, &drops, interval.as_secs_f64(), started.elapsed().as_secs_f64());
+                    drop(gpus);
                     drop(corr);
                     print!("\x1b[H\x1b[2J{text}");
                     let _ = std::io::stdout().flush();
@@ -299,6 +334,9 @@ async fn observe(cli: Cli) -> Result<i32> {
         }
     }
     // Programs stop producing first, so the reader's last drain sees everything they produced.
+    if let Some(s) = sampler {
+        s.stop();
+    }
     at.probes.disable()?;
     let output = reader.stop()?;
     let drops = at.probes.drops()?;
@@ -310,10 +348,11 @@ async fn observe(cli: Cli) -> Result<i32> {
         .filter(|(pid, _)| !corr.procs.contains_key(pid))
         .map(|(_, n)| n)
         .sum();
-    let text = terminal::final_summary(&corr, &drops, wall_ns);
+    let gpus = hub.lock();
+    let text = terminal::final_summary(&corr, &gpus, &drops, wall_ns);
     match output {
         Some(mut out) => {
-            out.summary(&corr, &drops, wall_ns, unattributed)?;
+            out.summary(&corr, &gpus, &drops, wall_ns, unattributed)?;
             out.into_inner().flush()?;
             say(format_args!("{} events, {} dropped", corr.events, drops.total));
         }
@@ -324,6 +363,7 @@ async fn observe(cli: Cli) -> Result<i32> {
         }
     }
     drop(corr);
+    drop(gpus);
     // Detaching: ~0.4 s with uprobe-multi links (see attach/multi.rs).
     drop(at);
     Ok(exit_status.map_or(0, spawn::Spawned::exit_code))

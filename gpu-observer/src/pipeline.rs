@@ -23,6 +23,7 @@ use crate::{
     },
     decode::{Body, Event, decode},
     export::jsonl::JsonlWriter,
+    sample::Hub,
 };
 
 /// How often the ring is drained when no wakeup comes (the eBPF side wakes us at half full).
@@ -41,12 +42,15 @@ pub struct Shared {
     stop: AtomicBool,
     /// Set by SIGUSR1: write a leak report for every process.
     pub dump_leaks: AtomicBool,
+    /// NVML samples waiting to be written.
+    pub nvml: Arc<Hub>,
 }
 
 impl Shared {
-    pub fn new(corr: Correlator) -> Self {
+    pub fn new(corr: Correlator, nvml: Arc<Hub>) -> Self {
         Self {
             corr: Mutex::new(corr),
+            nvml,
             stop: AtomicBool::new(false),
             dump_leaks: AtomicBool::new(false),
         }
@@ -59,6 +63,14 @@ pub fn monotonic_ns() -> u64 {
     // SAFETY: valid timespec out-pointer.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// CLOCK_REALTIME in µs: the clock of NVML's per-process sample timestamps.
+pub fn realtime_us() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid timespec out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1000
 }
 
 pub struct Reader {
@@ -107,6 +119,8 @@ fn run(mut ring: RingBuf<MapData>, shared: &Shared, mut output: Option<Output>) 
     let mut gpu = Vec::new();
     let mut changes = Vec::new();
     let mut last_expire = Instant::now();
+    let mut nvml_lines = Vec::new();
+    let mut devices = Vec::new();
     loop {
         // Read the flag before draining: whatever was submitted before stop() is drained below.
         let stopping = shared.stop.load(Ordering::SeqCst);
@@ -201,6 +215,19 @@ fn run(mut ring: RingBuf<MapData>, shared: &Shared, mut output: Option<Output>) 
                     }
                 }
                 last_memory = Instant::now();
+            }
+        }
+        if let Some(out) = output.as_mut() {
+            // Taken out under the lock, written without it: the sampler never waits on output.
+            {
+                let mut hub = shared.nvml.lock();
+                nvml_lines.extend(hub.pending.drain(..));
+                if devices.len() != hub.devices.len() {
+                    devices = hub.devices.clone();
+                }
+            }
+            for (line, comm) in nvml_lines.drain(..) {
+                out.nvml(&line, comm.as_deref(), &devices)?;
             }
         }
         if let Some(out) = output.as_mut()

@@ -105,15 +105,20 @@ impl Agent {
     /// Starts `gpu-observer --format jsonl --output DIR/out.jsonl --trace-all ARGS` (every
     /// event written: the tests count them) and waits for `ready`.
     pub fn start(dir: &Path, args: &[&str]) -> Agent {
-        Self::spawn(dir, args, true)
+        Self::spawn(dir, args, true, &[])
     }
 
     /// As [`Agent::start`], with the default adaptive sampling (no `--trace-all`).
     pub fn start_sampled(dir: &Path, args: &[&str]) -> Agent {
-        Self::spawn(dir, args, false)
+        Self::spawn(dir, args, false, &[])
     }
 
-    fn spawn(dir: &Path, args: &[&str], trace_all: bool) -> Agent {
+    /// As [`Agent::start`], with extra environment for the agent (the fake NVML's script).
+    pub fn start_with_env(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Agent {
+        Self::spawn(dir, args, true, env)
+    }
+
+    fn spawn(dir: &Path, args: &[&str], trace_all: bool, env: &[(&str, &str)]) -> Agent {
         let out = dir.join("out.jsonl");
         let mut child = Command::new(observer_bin())
             .args(["--format", "jsonl", "--output"])
@@ -121,6 +126,7 @@ impl Agent {
             .args(["--interval-ms", "200"])
             .args(trace_all.then_some("--trace-all"))
             .args(args)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

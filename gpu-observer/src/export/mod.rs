@@ -1,6 +1,7 @@
 //! Export: where events and summaries go (terminal view, JSON lines).
 
 pub mod attributes;
+pub mod devices;
 pub mod jsonl;
 pub mod terminal;
 

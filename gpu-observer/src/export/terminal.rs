@@ -7,6 +7,7 @@ use gpu_observer_common::api::Direction;
 use crate::{
     attach::Drops,
     correlate::{Correlator, Stats},
+    sample::{HubState, ProcUse, State},
 };
 
 const MIB: f64 = 1024.0 * 1024.0;
@@ -34,7 +35,14 @@ fn human_bytes(b: u64) -> String {
 
 impl LiveView {
     /// Renders the table for an interval of `interval_s` seconds.
-    pub fn render(&mut self, corr: &Correlator, drops: &Drops, interval_s: f64, elapsed_s: f64) -> String {
+    pub fn render(
+        &mut self,
+        corr: &Correlator,
+        gpus: &HubState,
+        drops: &Drops,
+        interval_s: f64,
+        elapsed_s: f64,
+    ) -> String {
         let mut out = String::new();
         let _ = writeln!(
             out,
@@ -48,6 +56,7 @@ impl LiveView {
                 ""
             }
         );
+        devices_now(&mut out, gpus);
         let _ = writeln!(
             out,
             "{:>8} {:<16} {:>10} {:>22} {:>22} {:>14} {:>10} {:>16}",
@@ -88,6 +97,9 @@ impl LiveView {
                 (now.ioctls.ns - before.ioctls.ns) as f64 / 1e6
             );
             next.insert(p.pid, now.clone());
+            if let Some(u) = gpus.procs.get(&p.pid) {
+                let _ = writeln!(out, "{:>8} {:<16} NVML: {}", "", "", process_use(u, true));
+            }
             if let Some(g) = p.gpu.as_deref() {
                 let (k, ns) = (g.stats.kernels, g.stats.kernel_ns);
                 let (pk, pns) = self.prev_gpu.get(&p.pid).copied().unwrap_or((0, 0));
@@ -121,6 +133,114 @@ fn shorten(s: &str, max: usize) -> String {
     }
 }
 
+/// One line per GPU: its latest NVML sample.
+fn devices_now(out: &mut String, gpus: &HubState) {
+    if gpus.state == State::Unavailable {
+        let _ = writeln!(out, "NVML unavailable: {}", gpus.message);
+    }
+    for (d, s) in gpus.latest() {
+        let Some(s) = s else { continue };
+        let mut parts = Vec::new();
+        if let Some(u) = s.util_gpu {
+            parts.push(format!("util {u}%"));
+        }
+        if let (Some(used), Some(total)) = (s.memory_used, s.memory_total) {
+            parts.push(format!("memory {} / {}", human_bytes(used), human_bytes(total)));
+        }
+        if let Some(mw) = s.power_mw {
+            let limit = s.power_limit_mw.map(|l| format!(" / {:.0} W", f64::from(l) / 1000.0));
+            parts.push(format!("{:.0} W{}", f64::from(mw) / 1000.0, limit.unwrap_or_default()));
+        }
+        if let Some(t) = s.temperature_c {
+            parts.push(format!("{t} °C"));
+        }
+        if let Some(c) = s.clocks.sm {
+            parts.push(format!("SM {c} MHz"));
+        }
+        if let (Some(tx), Some(rx)) = (s.pcie_tx_kbps, s.pcie_rx_kbps) {
+            parts.push(format!(
+                "PCIe tx {:.0} / rx {:.0} MB/s",
+                f64::from(tx) / 1024.0,
+                f64::from(rx) / 1024.0
+            ));
+        }
+        let slow: Vec<_> = s
+            .throttle_reasons
+            .map(|r| super::jsonl::throttle_names(r & !0x1))
+            .unwrap_or_default();
+        if !slow.is_empty() {
+            parts.push(format!("slowed: {}", slow.join(",")));
+        }
+        if let Some(x) = s.last_xid {
+            parts.push(format!("Xid {x} ({} errors)", s.xid_errors.unwrap_or(0)));
+        }
+        let _ = writeln!(out, "GPU {} {}: {}", d.index, d.name, parts.join(", "));
+    }
+}
+
+/// A process's GPUs, memory and SM utilization as NVML sees them.
+fn process_use(u: &ProcUse, live: bool) -> String {
+    let devs: Vec<String> = u.devices.iter().map(u32::to_string).collect();
+    let util = if live {
+        u.sm_util_last.map(|v| format!(", SM {v}%")).unwrap_or_default()
+    } else {
+        u.sm_util_mean()
+            .map(|m| format!(", SM utilization mean {m:.1}%, max {}%", u.sm_util_max))
+            .unwrap_or_default()
+    };
+    if live {
+        format!("GPU {} — {}{util}", devs.join(","), human_bytes(u.memory_bytes))
+    } else {
+        format!(
+            "GPU {} — memory max {} (last {}){util}",
+            devs.join(","),
+            human_bytes(u.memory_max_bytes),
+            human_bytes(u.memory_bytes)
+        )
+    }
+}
+
+/// The devices over the whole run.
+fn devices_summary(out: &mut String, gpus: &HubState) {
+    match gpus.state {
+        State::Unavailable => {
+            let _ = writeln!(out, "\nNVML unavailable: {}", gpus.message);
+        }
+        State::Off => {}
+        State::Starting | State::Active => {
+            for (d, t) in gpus.devices.iter().zip(&gpus.totals) {
+                let pct = |a: &crate::sample::Agg| {
+                    a.mean()
+                        .map(|m| format!("{m:.1}% mean, {:.0}% max", a.max))
+                        .unwrap_or_else(|| "-".into())
+                };
+                let _ = writeln!(
+                    out,
+                    "\nGPU {} {} ({}): {} samples\n  utilization   {}\n  memory        {} max of {}\n  power         {}\n  temperature   {}\n  slowed        {} samples (power/thermal/clock caps)",
+                    d.index,
+                    d.name,
+                    d.uuid.as_deref().unwrap_or("-"),
+                    t.samples,
+                    pct(&t.util_gpu),
+                    t.memory_used
+                        .max()
+                        .map_or_else(|| "-".into(), |b| human_bytes(b as u64)),
+                    d.memory_total_bytes.map_or_else(|| "-".into(), human_bytes),
+                    t.power_w
+                        .mean()
+                        .map(|m| format!("{m:.0} W mean, {:.0} W max", t.power_w.max))
+                        .unwrap_or_else(|| "-".into()),
+                    t.temperature_c
+                        .max()
+                        .map(|m| format!("{m:.0} °C max"))
+                        .unwrap_or_else(|| "-".into()),
+                    t.throttled_samples
+                );
+            }
+        }
+    }
+}
+
 /// Unfreed allocations of every process (SIGUSR1).
 pub fn leak_report(corr: &Correlator) -> String {
     let mut out = String::from("gpu-observer: allocations not freed\n");
@@ -143,7 +263,7 @@ pub fn leak_report(corr: &Correlator) -> String {
 }
 
 /// The summary printed at exit.
-pub fn final_summary(corr: &Correlator, drops: &Drops, wall_ns: u64) -> String {
+pub fn final_summary(corr: &Correlator, gpus: &HubState, drops: &Drops, wall_ns: u64) -> String {
     let mut out = String::new();
     let wall_s = wall_ns as f64 / 1e9;
     let _ = writeln!(
@@ -277,10 +397,14 @@ pub fn final_summary(corr: &Correlator, drops: &Drops, wall_ns: u64) -> String {
         if s.failed_calls > 0 {
             let _ = writeln!(out, "  failed calls  {:>10}", s.failed_calls);
         }
+        if let Some(u) = gpus.procs.get(&p.pid) {
+            let _ = writeln!(out, "  NVML          {}", process_use(u, false));
+        }
         if let Some(g) = p.gpu.as_deref() {
             gpu_summary(&mut out, g);
         }
     }
+    devices_summary(&mut out, gpus);
     out
 }
 

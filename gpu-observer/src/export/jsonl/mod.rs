@@ -2,6 +2,9 @@
 //! straight into a buffered writer (no allocation per event).
 
 mod gpu;
+mod nvml;
+
+pub use nvml::throttle_names;
 
 use std::io::{self, Write};
 
@@ -14,6 +17,7 @@ use crate::{
     },
     decode::{Body, Call, Event},
     export::bandwidth_mbps,
+    sample::{HubState, ProcUse},
 };
 
 pub struct JsonlWriter<W: Write> {
@@ -301,10 +305,22 @@ impl<W: Write> JsonlWriter<W> {
 
     /// One `summary` line per process, then the total line (always last; `events` and
     /// `dropped` always present).
-    pub fn summary(&mut self, corr: &Correlator, drops: &Drops, wall_ns: u64, unattributed: u64) -> io::Result<()> {
+    pub fn summary(
+        &mut self,
+        corr: &Correlator,
+        gpus: &HubState,
+        drops: &Drops,
+        wall_ns: u64,
+        unattributed: u64,
+    ) -> io::Result<()> {
         for p in corr.sorted() {
-            self.process_summary(p, drops.by_pid.get(&p.pid).copied().unwrap_or(0))?;
+            self.process_summary(
+                p,
+                gpus.procs.get(&p.pid),
+                drops.by_pid.get(&p.pid).copied().unwrap_or(0),
+            )?;
         }
+        self.nvml_devices(gpus)?;
         write!(
             self.out,
             "{{\"type\":\"summary\",\"scope\":\"total\",\"pid\":null,\"events\":{},\"dropped\":{},\"dropped_by_kind\":",
@@ -316,14 +332,16 @@ impl<W: Write> JsonlWriter<W> {
                 2 => "call",
                 3 => "ioctl",
                 4 => "process_exit",
-                _ => "name",
+                5 => "name",
+                6 => "gpu",
+                _ => "gpu_name",
             };
             (name, *n)
         });
         counts(&mut self.out, kinds)?;
         write!(
             self.out,
-            ",\"decode_errors\":{},\"processes\":{},\"forgotten_processes\":{},\"unattributed_drops\":{unattributed},\"threshold_us\":{},\"trace_all\":{},\"sampled_out\":{{\"memcpy\":{},\"memset\":{},\"sync\":{},\"gpu_kernel\":{},\"gpu_memcpy\":{},\"gpu_memset\":{}}},\"demangler\":\"{}\",\"wall_ns\":{wall_ns}}}",
+            ",\"decode_errors\":{},\"processes\":{},\"forgotten_processes\":{},\"unattributed_drops\":{unattributed},\"threshold_us\":{},\"trace_all\":{},\"sampled_out\":{{\"memcpy\":{},\"memset\":{},\"sync\":{},\"gpu_kernel\":{},\"gpu_memcpy\":{},\"gpu_memset\":{}}},\"demangler\":\"{}\",\"wall_ns\":{wall_ns}",
             corr.decode_errors,
             corr.procs.len(),
             corr.forgotten,
@@ -337,11 +355,12 @@ impl<W: Write> JsonlWriter<W> {
             self.sampled_out[5],
             crate::decode::demangle::style()
         )?;
-        self.out.write_all(b"\n")?;
+        self.nvml_total(gpus)?;
+        self.out.write_all(b"}\n")?;
         self.out.flush()
     }
 
-    fn process_summary(&mut self, p: &Process, dropped: u64) -> io::Result<()> {
+    fn process_summary(&mut self, p: &Process, nvml: Option<&ProcUse>, dropped: u64) -> io::Result<()> {
         let s = &p.stats;
         let o = &mut self.out;
         write!(
@@ -461,6 +480,7 @@ impl<W: Write> JsonlWriter<W> {
         )?;
         counts(o, s.call_apis.iter())?;
         self.gpu_summary(p.gpu.as_deref())?;
+        self.nvml_process(nvml)?;
         self.out.write_all(b"}\n")
     }
 }

@@ -1,0 +1,636 @@
+//! NVML access: device discovery and one sample of every device and of the processes on it.
+//!
+//! Through nvml-wrapper, which loads libnvidia-ml at run time (no link-time dependency), except
+//! per-process memory: `nvmlDeviceGetComputeRunningProcesses_v3` changed its struct stride
+//! between drivers without a version bump (R535 wrote 32-byte entries where the header says 24),
+//! so the versioned `nvmlDeviceGetRunningProcessDetailList` (R550+) is called through the raw
+//! bindings first, and the wrapper's v3 call is only the fallback for older drivers.
+//!
+//! Every query is timed (seed 002 §9.1: < 1 ms each) and a query the GPU does not support is
+//! not asked again: its metric stays absent, never 0.
+
+use std::{
+    ffi::OsStr,
+    path::{Path, PathBuf},
+    time::Instant,
+};
+
+use nvml_wrapper::{
+    Device, EventSet, Nvml as Lib,
+    bitmasks::event::EventTypes,
+    enum_wrappers::device::{Clock, EccCounter, MemoryError, PcieUtilCounter, TemperatureSensor},
+    enums::{device::UsedGpuMemory, event::XidError},
+    error::NvmlError,
+};
+use serde::Serialize;
+
+/// Where libnvidia-ml is looked for when `--nvml-lib` is not given: the loader's path, then the
+/// distributions' and the NVIDIA container toolkit's / GPU operator's locations.
+const CANDIDATES: &[&str] = &[
+    "libnvidia-ml.so.1",
+    "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+    "/usr/lib64/libnvidia-ml.so.1",
+    "/usr/local/nvidia/lib64/libnvidia-ml.so.1",
+    "/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+];
+
+/// An initialized NVML.
+pub struct Nvml {
+    lib: Lib,
+    /// The file it was loaded from, as given to dlopen.
+    pub path: String,
+}
+
+/// Loads and initializes NVML; the error says why not, in words for the user.
+pub fn open(path: Option<&Path>) -> Result<Nvml, String> {
+    let candidates: Vec<PathBuf> = match path {
+        Some(p) => vec![p.to_path_buf()],
+        None => CANDIDATES.iter().map(PathBuf::from).collect(),
+    };
+    let mut last = String::new();
+    for c in &candidates {
+        match Lib::builder().lib_path(OsStr::new(c)).init() {
+            Ok(lib) => {
+                return Ok(Nvml {
+                    lib,
+                    path: c.display().to_string(),
+                });
+            }
+            Err(NvmlError::LibloadingError(e)) => last = format!("cannot load {}: {e}", c.display()),
+            Err(NvmlError::DriverNotLoaded) => {
+                return Err(format!(
+                    "{} loaded, but the NVIDIA kernel driver is not (is there a GPU? `nvidia-smi` tells)",
+                    c.display()
+                ));
+            }
+            Err(NvmlError::NoPermission) => {
+                return Err(format!("{}: no permission to initialize NVML", c.display()));
+            }
+            Err(e) => return Err(format!("{}: NVML initialization failed: {e}", c.display())),
+        }
+    }
+    if path.is_some() {
+        return Err(last);
+    }
+    Err(format!(
+        "no libnvidia-ml.so.1 (the NVIDIA driver's user-space library) in the loader path or {}; pass --nvml-lib PATH if it lives elsewhere",
+        CANDIDATES[1..].join(", ")
+    ))
+}
+
+/// Seed 002 GPU-001..007, plus what a fleet needs to place a device.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DeviceInfo {
+    pub index: u32,
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    pub vendor: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory_total_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub compute_capability: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub driver_version: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cuda_driver_version: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pci_bus_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sm_count: Option<u32>,
+    pub max_clocks_mhz: Clocks,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub power_limit_watts: Option<f64>,
+    pub pcie_max_link: Link,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Clocks {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub graphics: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sm: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory: Option<u32>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Link {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub width: Option<u32>,
+}
+
+/// One device at one instant. `None`: the GPU (or driver) does not report it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DeviceSample {
+    pub ts_ns: u64,
+    pub device: u32,
+    /// Percent, as NVML reports them.
+    pub util_gpu: Option<u32>,
+    pub util_memory: Option<u32>,
+    pub util_encoder: Option<u32>,
+    pub util_decoder: Option<u32>,
+    pub memory_used: Option<u64>,
+    pub memory_free: Option<u64>,
+    pub memory_reserved: Option<u64>,
+    pub memory_total: Option<u64>,
+    pub power_mw: Option<u32>,
+    pub power_limit_mw: Option<u32>,
+    pub temperature_c: Option<u32>,
+    pub fan_percent: Option<u32>,
+    pub clocks: Clocks,
+    /// KB/s over NVML's 20 ms window.
+    pub pcie_tx_kbps: Option<u32>,
+    pub pcie_rx_kbps: Option<u32>,
+    pub link: Link,
+    pub throttle_reasons: Option<u64>,
+    pub ecc_corrected: Option<u64>,
+    pub ecc_uncorrected: Option<u64>,
+    /// Xid errors seen since the observer started; `None` where Xid events are unsupported.
+    pub xid_errors: Option<u64>,
+    pub last_xid: Option<u64>,
+}
+
+/// One process on one device.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ProcessSample {
+    pub ts_ns: u64,
+    pub device: u32,
+    pub pid: u32,
+    pub memory_bytes: Option<u64>,
+    /// Percent over NVML's last sample window for the process; `None` when NVML had no sample.
+    pub util_sm: Option<u32>,
+    pub util_memory: Option<u32>,
+    pub util_encoder: Option<u32>,
+    pub util_decoder: Option<u32>,
+}
+
+/// Throttle (clock event) reason bits of nvml.h, in the names the JSON uses.
+pub const THROTTLE_REASONS: &[(u64, &str)] = &[
+    (0x1, "gpu_idle"),
+    (0x2, "applications_clocks_setting"),
+    (0x4, "sw_power_cap"),
+    (0x8, "hw_slowdown"),
+    (0x10, "sync_boost"),
+    (0x20, "sw_thermal_slowdown"),
+    (0x40, "hw_thermal_slowdown"),
+    (0x80, "hw_power_brake_slowdown"),
+    (0x100, "display_clock_setting"),
+];
+
+/// The queries, for timing and for remembering which ones a device does not support.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(usize)]
+pub enum Q {
+    Handle,
+    Utilization,
+    Encoder,
+    Decoder,
+    Memory,
+    Power,
+    PowerLimit,
+    Temperature,
+    Fans,
+    ClockGraphics,
+    ClockSm,
+    ClockMemory,
+    PcieTx,
+    PcieRx,
+    LinkGen,
+    LinkWidth,
+    Throttle,
+    EccCorrected,
+    EccUncorrected,
+    Processes,
+    ProcessUtilization,
+    Events,
+}
+
+pub const QUERIES: usize = Q::Events as usize + 1;
+
+/// The NVML function behind each query (the name the summary reports its latency under).
+pub const QUERY_NAMES: [&str; QUERIES] = [
+    "nvmlDeviceGetHandleByIndex_v2",
+    "nvmlDeviceGetUtilizationRates",
+    "nvmlDeviceGetEncoderUtilization",
+    "nvmlDeviceGetDecoderUtilization",
+    "nvmlDeviceGetMemoryInfo_v2",
+    "nvmlDeviceGetPowerUsage",
+    "nvmlDeviceGetEnforcedPowerLimit",
+    "nvmlDeviceGetTemperature",
+    "nvmlDeviceGetFanSpeed_v2",
+    "nvmlDeviceGetClockInfo(graphics)",
+    "nvmlDeviceGetClockInfo(sm)",
+    "nvmlDeviceGetClockInfo(memory)",
+    "nvmlDeviceGetPcieThroughput(tx)",
+    "nvmlDeviceGetPcieThroughput(rx)",
+    "nvmlDeviceGetCurrPcieLinkGeneration",
+    "nvmlDeviceGetCurrPcieLinkWidth",
+    "nvmlDeviceGetCurrentClocksThrottleReasons",
+    "nvmlDeviceGetTotalEccErrors(corrected)",
+    "nvmlDeviceGetTotalEccErrors(uncorrected)",
+    "nvmlDeviceGetRunningProcessDetailList",
+    "nvmlDeviceGetProcessUtilization",
+    "nvmlEventSetWait_v2",
+];
+
+/// Latency of one query over the run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QueryStat {
+    pub count: u64,
+    pub errors: u64,
+    pub total_ns: u64,
+    pub max_ns: u64,
+}
+
+/// Is this error "the GPU does not have it" (absent from now on), rather than a transient
+/// failure?
+fn unsupported(e: &NvmlError) -> bool {
+    matches!(
+        e,
+        NvmlError::NotSupported
+            | NvmlError::FunctionNotFound
+            | NvmlError::FailedToLoadSymbol(_)
+            | NvmlError::NoPermission
+            | NvmlError::InvalidArg
+    )
+}
+
+impl Nvml {
+    pub fn device_count(&self) -> Result<u32, String> {
+        self.lib
+            .device_count()
+            .map_err(|e| format!("nvmlDeviceGetCount failed: {e}"))
+    }
+
+    /// What every device is. Fields NVML cannot tell are absent.
+    pub fn discover(&self) -> Result<Vec<DeviceInfo>, String> {
+        let n = self.device_count()?;
+        let driver = self.lib.sys_driver_version().ok();
+        let cuda = self
+            .lib
+            .sys_cuda_driver_version()
+            .ok()
+            .map(|v| format!("{}.{}", v / 1000, (v % 1000) / 10));
+        let mut out = Vec::with_capacity(n as usize);
+        for index in 0..n {
+            let d = self
+                .lib
+                .device_by_index(index)
+                .map_err(|e| format!("device {index}: nvmlDeviceGetHandleByIndex failed: {e}"))?;
+            let cc = d.cuda_compute_capability().ok();
+            let pci = d.pci_info().ok();
+            let sm_count = d
+                .attributes()
+                .ok()
+                .map(|a| a.multiprocessor_count)
+                .filter(|&n| n > 0)
+                .or_else(|| {
+                    let per_sm = cc.as_ref().and_then(|c| cores_per_sm(c.major, c.minor))?;
+                    d.num_cores().ok().map(|c| c / per_sm).filter(|&n| n > 0)
+                });
+            out.push(DeviceInfo {
+                index,
+                name: d.name().unwrap_or_else(|_| "unknown".into()),
+                uuid: d.uuid().ok(),
+                vendor: match pci.as_ref().map(|p| p.pci_device_id & 0xffff) {
+                    Some(0x10de) | None => "NVIDIA",
+                    Some(_) => "unknown",
+                },
+                memory_total_bytes: d.memory_info().ok().map(|m| m.total),
+                compute_capability: cc.map(|c| format!("{}.{}", c.major, c.minor)),
+                driver_version: driver.clone(),
+                cuda_driver_version: cuda.clone(),
+                pci_bus_id: pci.map(|p| p.bus_id),
+                sm_count,
+                max_clocks_mhz: Clocks {
+                    graphics: d.max_clock_info(Clock::Graphics).ok(),
+                    sm: d.max_clock_info(Clock::SM).ok(),
+                    memory: d.max_clock_info(Clock::Memory).ok(),
+                },
+                power_limit_watts: d.enforced_power_limit().ok().map(|mw| f64::from(mw) / 1000.0),
+                pcie_max_link: Link {
+                    generation: d.max_pcie_link_gen().ok(),
+                    width: d.max_pcie_link_width().ok(),
+                },
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// CUDA cores per SM by compute capability, for drivers where nvmlDeviceGetAttributes does not
+/// answer for a whole (non-MIG) GPU.
+fn cores_per_sm(major: i32, minor: i32) -> Option<u32> {
+    Some(match (major, minor) {
+        (6, 0) => 64,
+        (6, _) => 128,
+        (7, _) => 64,
+        (8, 0) => 64,
+        (8, _) => 128,
+        (9, _) | (10, _) | (11, _) | (12, _) => 128,
+        _ => return None,
+    })
+}
+
+/// What the sampler keeps between samples of one device.
+#[derive(Default)]
+struct PerDevice {
+    /// Bit per `Q`: the device said it does not support it.
+    unsupported: u64,
+    /// NVML's own timestamp (µs) of the newest per-process utilization sample seen.
+    last_util_us: u64,
+    /// The slow metrics' latest values, carried on every sample until the next slow round.
+    slow: DeviceSample,
+    xid_errors: u64,
+    last_xid: Option<u64>,
+}
+
+/// Takes samples; owns the per-device state and the query statistics.
+pub struct Sampler<'a> {
+    nvml: &'a Nvml,
+    devices: Vec<PerDevice>,
+    events: Vec<Option<EventSet<'a>>>,
+    pub stats: [QueryStat; QUERIES],
+}
+
+impl<'a> Sampler<'a> {
+    pub fn new(nvml: &'a Nvml, count: u32) -> Self {
+        let now_us = crate::pipeline::realtime_us();
+        let mut devices: Vec<PerDevice> = (0..count)
+            .map(|_| PerDevice {
+                // Only utilization samples from now on, not NVML's whole buffer.
+                last_util_us: now_us,
+                ..PerDevice::default()
+            })
+            .collect();
+        // Xid errors arrive as NVML events, one set per device (a failed registration frees
+        // the set it was given).
+        let events = devices
+            .iter_mut()
+            .enumerate()
+            .map(|(i, pd)| {
+                let set = nvml.lib.create_event_set().ok()?;
+                let dev = nvml.lib.device_by_index(i as u32).ok()?;
+                match dev.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
+                    Ok(set) => Some(set),
+                    Err(_) => {
+                        pd.unsupported |= 1 << Q::Events as u64;
+                        None
+                    }
+                }
+            })
+            .collect();
+        Self {
+            nvml,
+            devices,
+            events,
+            stats: [QueryStat::default(); QUERIES],
+        }
+    }
+
+    /// Runs one query for device `i`, timed; `None` if it failed or is unsupported.
+    fn q<T>(&mut self, i: usize, q: Q, f: impl FnOnce() -> Result<T, NvmlError>) -> Option<T> {
+        if self.devices[i].unsupported & (1 << q as u64) != 0 {
+            return None;
+        }
+        let t = Instant::now();
+        let r = f();
+        let ns = t.elapsed().as_nanos() as u64;
+        let s = &mut self.stats[q as usize];
+        s.count += 1;
+        s.total_ns += ns;
+        s.max_ns = s.max_ns.max(ns);
+        match r {
+            Ok(v) => Some(v),
+            Err(e) => {
+                s.errors += 1;
+                if unsupported(&e) {
+                    self.devices[i].unsupported |= 1 << q as u64;
+                }
+                None
+            }
+        }
+    }
+
+    /// Samples device `i` (and its slow metrics when `slow`), appending the processes on it.
+    pub fn sample(&mut self, i: usize, ts_ns: u64, slow: bool, procs: &mut Vec<ProcessSample>) -> Option<DeviceSample> {
+        let nvml = self.nvml;
+        let dev = self.q(i, Q::Handle, || nvml.lib.device_by_index(i as u32))?;
+        let mut s = DeviceSample {
+            ts_ns,
+            device: i as u32,
+            ..DeviceSample::default()
+        };
+        if let Some(u) = self.q(i, Q::Utilization, || dev.utilization_rates()) {
+            s.util_gpu = Some(u.gpu);
+            s.util_memory = Some(u.memory);
+        }
+        s.util_encoder = self
+            .q(i, Q::Encoder, || dev.encoder_utilization())
+            .map(|u| u.utilization);
+        s.util_decoder = self
+            .q(i, Q::Decoder, || dev.decoder_utilization())
+            .map(|u| u.utilization);
+        if let Some(m) = self.q(i, Q::Memory, || dev.memory_info()) {
+            s.memory_used = Some(m.used);
+            s.memory_free = Some(m.free);
+            s.memory_reserved = Some(m.reserved);
+            s.memory_total = Some(m.total);
+        }
+        s.power_mw = self.q(i, Q::Power, || dev.power_usage());
+        s.clocks = Clocks {
+            graphics: self.q(i, Q::ClockGraphics, || dev.clock_info(Clock::Graphics)),
+            sm: self.q(i, Q::ClockSm, || dev.clock_info(Clock::SM)),
+            memory: self.q(i, Q::ClockMemory, || dev.clock_info(Clock::Memory)),
+        };
+        s.pcie_tx_kbps = self.q(i, Q::PcieTx, || dev.pcie_throughput(PcieUtilCounter::Send));
+        s.pcie_rx_kbps = self.q(i, Q::PcieRx, || dev.pcie_throughput(PcieUtilCounter::Receive));
+        s.throttle_reasons = self
+            .q(i, Q::Throttle, || dev.current_throttle_reasons())
+            .map(|r| r.bits());
+        if slow {
+            self.slow(i, &dev);
+        }
+        let pd = &self.devices[i];
+        s.power_limit_mw = pd.slow.power_limit_mw;
+        s.temperature_c = pd.slow.temperature_c;
+        s.fan_percent = pd.slow.fan_percent;
+        s.link = pd.slow.link;
+        s.ecc_corrected = pd.slow.ecc_corrected;
+        s.ecc_uncorrected = pd.slow.ecc_uncorrected;
+        self.poll_xid(i);
+        let pd = &self.devices[i];
+        if pd.unsupported & (1 << Q::Events as u64) == 0 {
+            s.xid_errors = Some(pd.xid_errors);
+            s.last_xid = pd.last_xid;
+        }
+        self.processes(i, &dev, ts_ns, procs);
+        Some(s)
+    }
+
+    fn slow(&mut self, i: usize, dev: &Device<'a>) {
+        let v = DeviceSample {
+            power_limit_mw: self.q(i, Q::PowerLimit, || dev.enforced_power_limit()),
+            temperature_c: self.q(i, Q::Temperature, || dev.temperature(TemperatureSensor::Gpu)),
+            fan_percent: self.q(i, Q::Fans, || {
+                // The first fan stands for the board; a GPU without fans says NotSupported.
+                let n = dev.num_fans()?;
+                if n == 0 {
+                    return Err(NvmlError::NotSupported);
+                }
+                dev.fan_speed(0)
+            }),
+            link: Link {
+                generation: self.q(i, Q::LinkGen, || dev.current_pcie_link_gen()),
+                width: self.q(i, Q::LinkWidth, || dev.current_pcie_link_width()),
+            },
+            ecc_corrected: self.q(i, Q::EccCorrected, || {
+                dev.total_ecc_errors(MemoryError::Corrected, EccCounter::Volatile)
+            }),
+            ecc_uncorrected: self.q(i, Q::EccUncorrected, || {
+                dev.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile)
+            }),
+            ..DeviceSample::default()
+        };
+        self.devices[i].slow = v;
+    }
+
+    /// Drains device `i`'s Xid events without waiting (a timeout is "no event", not an error).
+    fn poll_xid(&mut self, i: usize) {
+        let Some(set) = self.events[i].as_ref() else { return };
+        // Bounded: a storm of events cannot hold the sampler.
+        for _ in 0..64 {
+            let t = Instant::now();
+            let r = set.wait(0);
+            let ns = t.elapsed().as_nanos() as u64;
+            let s = &mut self.stats[Q::Events as usize];
+            s.count += 1;
+            s.total_ns += ns;
+            s.max_ns = s.max_ns.max(ns);
+            match r {
+                Ok(ev) => {
+                    let pd = &mut self.devices[i];
+                    pd.xid_errors += 1;
+                    if let Some(XidError::Value(v)) = ev.event_data {
+                        pd.last_xid = Some(v);
+                    }
+                }
+                Err(NvmlError::Timeout) => break,
+                Err(_) => {
+                    s.errors += 1;
+                    break;
+                }
+            }
+        }
+    }
+
+    /// The compute processes on device `i`, with their memory and (when NVML has a sample for
+    /// them since the last call) utilization.
+    fn processes(&mut self, i: usize, dev: &Device<'a>, ts_ns: u64, out: &mut Vec<ProcessSample>) {
+        let start = out.len();
+        if let Some(list) = self.q(i, Q::Processes, || detail_list(dev)) {
+            out.extend(list.into_iter().map(|(pid, memory_bytes)| ProcessSample {
+                ts_ns,
+                device: i as u32,
+                pid,
+                memory_bytes,
+                ..ProcessSample::default()
+            }));
+        }
+        let last = self.devices[i].last_util_us;
+        let samples = self.q(i, Q::ProcessUtilization, || match dev.process_utilization_stats(last) {
+            // No process had a sample since `last`.
+            Err(NvmlError::NotFound) => Ok(Vec::new()),
+            r => r,
+        });
+        let Some(samples) = samples else { return };
+        for u in samples {
+            let pd = &mut self.devices[i];
+            pd.last_util_us = pd.last_util_us.max(u.timestamp);
+            let row = match out[start..].iter_mut().find(|p| p.pid == u.pid) {
+                Some(row) => row,
+                None => {
+                    out.push(ProcessSample {
+                        ts_ns,
+                        device: i as u32,
+                        pid: u.pid,
+                        ..ProcessSample::default()
+                    });
+                    out.last_mut().expect("just pushed")
+                }
+            };
+            // Several samples of one pid: the busiest of the interval.
+            row.util_sm = Some(row.util_sm.unwrap_or(0).max(u.sm_util));
+            row.util_memory = Some(row.util_memory.unwrap_or(0).max(u.mem_util));
+            row.util_encoder = Some(row.util_encoder.unwrap_or(0).max(u.enc_util));
+            row.util_decoder = Some(row.util_decoder.unwrap_or(0).max(u.dec_util));
+        }
+    }
+}
+
+/// (pid, used memory) of the compute processes on a device: the versioned detail list, or the
+/// v3 call on drivers without it.
+fn detail_list(dev: &Device<'_>) -> Result<Vec<(u32, Option<u64>)>, NvmlError> {
+    use nvml_wrapper_sys::bindings::{nvmlProcessDetail_v1_t, nvmlProcessDetailList_v1_t};
+    const SUCCESS: u32 = 0;
+    const INSUFFICIENT_SIZE: u32 = 7;
+    /// NVML_VALUE_NOT_AVAILABLE as an unsigned long long.
+    const NOT_AVAILABLE: u64 = u64::MAX;
+    let lib = dev.nvml().lib();
+    let Ok(f) = lib.nvmlDeviceGetRunningProcessDetailList.as_ref() else {
+        return Ok(dev
+            .running_compute_processes()?
+            .into_iter()
+            .map(|p| {
+                let mem = match p.used_gpu_memory {
+                    UsedGpuMemory::Used(b) => Some(b),
+                    UsedGpuMemory::Unavailable => None,
+                };
+                (p.pid, mem)
+            })
+            .collect());
+    };
+    // NVML_STRUCT_VERSION(ProcessDetailList, 1).
+    let version = (std::mem::size_of::<nvmlProcessDetailList_v1_t>() | (1 << 24)) as u32;
+    let mut entries: Vec<nvmlProcessDetail_v1_t> = Vec::new();
+    // The list can grow between the sizing call and the real one: a few tries.
+    for _ in 0..4 {
+        let mut list = nvmlProcessDetailList_v1_t {
+            version,
+            mode: 0, // NVML_PROCESS_MODE_COMPUTE
+            numProcArrayEntries: entries.len() as u32,
+            procArray: if entries.is_empty() {
+                std::ptr::null_mut()
+            } else {
+                entries.as_mut_ptr()
+            },
+        };
+        // SAFETY: FFI; `list` is a valid versioned struct whose array (when not null) has
+        // `numProcArrayEntries` writable entries, and the device handle is live.
+        let r = unsafe { f(dev.handle(), &mut list) };
+        match r {
+            SUCCESS => {
+                let n = (list.numProcArrayEntries as usize).min(entries.len());
+                return Ok(entries[..n]
+                    .iter()
+                    .map(|p| (p.pid, (p.usedGpuMemory != NOT_AVAILABLE).then_some(p.usedGpuMemory)))
+                    .collect());
+            }
+            INSUFFICIENT_SIZE => {
+                let zero = nvmlProcessDetail_v1_t {
+                    pid: 0,
+                    usedGpuMemory: 0,
+                    gpuInstanceId: 0,
+                    computeInstanceId: 0,
+                    usedGpuCcProtectedMemory: 0,
+                };
+                entries = vec![zero; list.numProcArrayEntries as usize + 4];
+            }
+            other => return Err(NvmlError::from(other)),
+        }
+    }
+    Err(NvmlError::InsufficientSize(None))
+}
