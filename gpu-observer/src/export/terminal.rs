@@ -237,6 +237,22 @@ fn devices_summary(out: &mut String, gpus: &HubState) {
                     t.throttled_samples
                 );
             }
+            let c = &gpus.cost;
+            let slowest = c
+                .stats
+                .iter()
+                .zip(crate::sample::QUERY_NAMES)
+                .max_by_key(|(s, _)| s.max_ns);
+            if let Some((s, name)) = slowest.filter(|(s, _)| s.count > 0) {
+                let _ = writeln!(
+                    out,
+                    "\nNVML sampler: {} rounds every {} ms, {:.3}% of a core; slowest query {name} {:.0} µs",
+                    c.samples,
+                    gpus.interval.as_millis(),
+                    c.cpu_ratio() * 100.0,
+                    s.max_ns as f64 / 1e3
+                );
+            }
         }
     }
 }
@@ -405,6 +421,20 @@ pub fn final_summary(corr: &Correlator, gpus: &HubState, drops: &Drops, wall_ns:
         }
     }
     devices_summary(&mut out, gpus);
+    // Processes on a GPU that made no CUDA call the observer saw (they started before it, or
+    // use the GPU another way).
+    let mut others: Vec<_> = gpus
+        .procs
+        .iter()
+        .filter(|(pid, _)| !corr.procs.contains_key(pid) && gpus.wants(**pid))
+        .collect();
+    others.sort_by_key(|(pid, _)| **pid);
+    if !others.is_empty() {
+        out.push_str("\nother processes on the GPUs (NVML)\n");
+        for (pid, u) in others {
+            let _ = writeln!(out, "  pid {pid:>7} {:<16} {}", u.comm, process_use(u, false));
+        }
+    }
     out
 }
 

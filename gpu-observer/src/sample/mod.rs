@@ -267,10 +267,15 @@ impl HubState {
             u.sm_util_last = p.util_sm;
             u.last_ns = ts_ns;
             let comm = u.comm.clone();
-            if self.pid.is_none_or(|pid| pid == p.pid) {
+            if self.wants(p.pid) {
                 self.queue(Line::Process(p), Some(comm));
             }
         }
+    }
+
+    /// Whether a process is in the observer's scope (`--pid`).
+    pub fn wants(&self, pid: u32) -> bool {
+        self.pid.is_none_or(|p| p == pid)
     }
 
     /// The latest sample of each device.
