@@ -439,5 +439,106 @@ check "bench_cupti.sh: failing run listed" 0 "$(has "runs without a result: r1_p
 check "bench_cupti.sh: observer without run -> rc 1" 1 "$(bench_cupti_e2e bce3 FAKE_NO_RUN=1)"
 check "bench_cupti.sh: says why" 0 "$(has "no 'run' subcommand" "$T/bce3.log")"
 
+# --- NVML sampling: compare_nvml.py on synthetic scenarios, validate_nvml.sh with the fakes
+NV_FAKE="$HERE/fake_nvml_observer.py"
+chmod +x "$NV_FAKE"
+nv_st() { # check-id results.json -> that check's status
+    "$PY" -c 'import json,sys
+r=json.load(open(sys.argv[2]))
+print(next((c["status"] for c in r["checks"] if c["id"]==sys.argv[1]), "missing"))' "$1" "$2" 2>/dev/null || echo error
+}
+nv_rc() { # name gpus [fault...] -> compare_nvml.py report rc on a synthetic scenario in $T/nv_NAME
+    local n=$1 g=$2 d="$T/nv_$1" rc=0 f
+    shift 2
+    local -a fa=() wl=()
+    for f in "$@"; do fa+=(--fault "$f"); done
+    "$PY" "$NV_FAKE" synth "$d" --gpus "$g" ${fa[@]+"${fa[@]}"} >/dev/null
+    for f in "$d"/wl*.result.json; do wl+=(--workload "$f"); done
+    "$PY" "$GPU/compare_nvml.py" report --smi-static "$d/smi_static.json" \
+        --devices-json "$d/devices.json" --devices-rc 0 --devices-table "$d/devices.txt" --devices-table-rc 0 \
+        --active-events "$d/run.jsonl" --captures "$d/run.captures.jsonl" "${wl[@]}" \
+        --expected-workloads "$g" --idle-events "$d/idle.jsonl" \
+        --md-out "$d/R.md" --json-out "$d/R.json" >"$d/out.txt" 2>&1 || rc=$?
+    echo "$rc"
+}
+check "nvml: synthetic 2 GPUs, all consistent -> pass" 0 "$(nv_rc ok 2)"
+check "nvml: report says PASS" 0 "$(has "Overall: \*\*PASS" "$T/nv_ok/R.md")"
+check "nvml: pci bus id domain/case normalised" PASS "$(nv_st devices.fields "$T/nv_ok/R.json")"
+check "nvml: diff distribution reported" 0 "$(has "diffs (MiB): +0.50 ×15" "$T/nv_ok/R.md")"
+check "nvml: memory off by 3 MiB -> fail" 1 "$(nv_rc memoff 1 mem_off_mib=3)"
+check "nvml: ... device memory check fails" FAIL "$(nv_st run.dev_memory "$T/nv_memoff/R.json")"
+check "nvml: ... process memory check fails" FAIL "$(nv_st run.proc_memory "$T/nv_memoff/R.json")"
+check "nvml: memory 0.4 MiB off (device diff +0.9 MiB) -> pass" 0 "$(nv_rc memnear 1 mem_off_mib=0.4)"
+check "nvml: a pid on the wrong GPU -> fail" 1 "$(nv_rc wrongdev 2 wrong_device=1)"
+check "nvml: ... attribution check fails" FAIL "$(nv_st run.proc_device "$T/nv_wrongdev/R.json")"
+check "nvml: ... and says where" 0 "$(has "lines on other GPUs" "$T/nv_wrongdev/out.txt")"
+check "nvml: memory key absent in every other sample -> pass (not read as 0)" 0 \
+    "$(nv_rc dropkey 1 drop_key=hw.gpu.memory.usage)"
+check "nvml: memory key absent everywhere -> fail as absent" 1 "$(nv_rc absentkey 1 absent_key=hw.gpu.memory.usage)"
+check "nvml: ... reported as absent, not as a difference" 0 "$(has "metric absent in all 80 samples" "$T/nv_absentkey/out.txt")"
+check "nvml: power absent (GPU without the metric) -> pass, shown absent" 0 \
+    "$(nv_rc nopower 1 absent_key=hw.power)$(has "\`hw.power\` | 0/80 (absent)" "$T/nv_nopower/R.md" | tr -d 0)"
+check "nvml: utilization absent everywhere -> fail" 1 "$(nv_rc noutil 1 absent_key=hw.gpu.utilization)"
+check "nvml: ... process utilization check fails" FAIL "$(nv_st run.proc_util "$T/nv_noutil/R.json")"
+check "nvml: ratios in percent -> fail" 1 "$(nv_rc percent 1 percent=1)"
+check "nvml: 150 ms interval -> fail" 1 "$(nv_rc slow 1 interval_ms=150)"
+check "nvml: 115 ms interval -> pass" 0 "$(nv_rc slowish 1 interval_ms=115)"
+check "nvml: state unavailable -> fail" 1 "$(nv_rc state 1 state=unavailable)"
+check "nvml: sampler 0.2% of a core -> fail" 1 "$(nv_rc cpu 1 cpu_ratio=0.002)"
+check "nvml: ... idle run cost checked too" FAIL "$(nv_st idle.cpu "$T/nv_cpu/R.json")"
+check "nvml: query mean 1.5 ms -> fail" 1 "$(nv_rc query 1 query_mean_ns=1500000)"
+check "nvml: devices name differs -> fail" 1 "$(nv_rc devname 1 dev_field=name:Wrong)"
+check "nvml: devices without power limit -> fail" 1 "$(nv_rc devdrop 1 dev_drop=power_limit_watts)"
+check "nvml: ... says absent" 0 "$(has "absent in the observer's output" "$T/nv_devdrop/R.md")"
+check "nvml: memory never stable -> fail (nothing compared)" 1 "$(nv_rc unstable 1 unstable=1)"
+check "nvml: ... skipped as unstable" 0 "$(has "15 unstable" "$T/nv_unstable/out.txt")"
+check "nvml: nvidia-smi per-process memory N/A -> fail" 1 "$(nv_rc smina 1 smi_proc_na=1)"
+check "nvml: no device summary -> fail" 1 "$(nv_rc nosum 1 no_dev_summary=1)"
+rc=0
+"$PY" "$GPU/compare_nvml.py" report --smi-static "$T/nv_ok/smi_static.json" --md-out "$T/nv_none.md" \
+    --active-events "$T/nonexistent.jsonl" --captures "$T/nonexistent.cap" >"$T/nv_none.out" 2>&1 || rc=$?
+check "nvml: no observer output -> fail, report still written" "1 0" "$rc $(has "NOT RUN" "$T/nv_none.md")"
+# the helpers against the fake nvidia-smi
+mkdir -p "$T/nvbin"
+ln -sf "$NV_FAKE" "$T/nvbin/nvidia-smi"
+ln -sf "$NV_FAKE" "$T/nvbin/fake_nvml_alloc.py"
+rc=0
+printf 'CUDA Version                              : 13.0\n' >"$T/nvq.txt"
+FAKE_GPUS=2 FAKE_NVML_STATE="$T/nvstate0" FAKE_SMI_NO_RESERVED=1 NVIDIA_SMI="$T/nvbin/nvidia-smi" \
+    "$PY" "$GPU/compare_nvml.py" smi-static --out "$T/nv_static.json" --q-text "$T/nvq.txt" >"$T/nv_static.out" 2>&1 || rc=$?
+check "nvml smi-static: field-by-field fallback when a field is rejected" "0 0 0" \
+    "$rc $(has '"memory.reserved": "Field' "$T/nv_static.json") $(has '"cuda_version": "13.0"' "$T/nv_static.json")"
+check "nvml smi-static: the fields of both GPUs" 0 "$(has '"clocks.max.memory": "2619"' "$T/nv_static.json")"
+rc=0
+FAKE_NVML_STATE="$T/nvstate0" NVIDIA_SMI="$T/nvbin/nvidia-smi" \
+    "$PY" "$GPU/compare_nvml.py" capture --out "$T/nv_cap.jsonl" --duration 0.5 --interval 0.2 >/dev/null 2>&1 || rc=$?
+check "nvml capture: gpu and apps queries with monotonic times" "0 0 0" \
+    "$rc $(has '"query": "gpu"' "$T/nv_cap.jsonl") $(has '"query": "apps"' "$T/nv_cap.jsonl")"
+nv_norm=$("$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); import compare_nvml as c
+print(c.norm_pci("0000:1b:00.0") == c.norm_pci("00000000:1B:00.0") == "00000000:1B:00.0",
+      c.num("[N/A]") is None, c.num("700.00 W") == 700.0, c.norm_cap("9.0") == "9.0")' "$GPU")
+check "nvml: pci/N/A/unit normalisation" "True True True True" "$nv_norm"
+# validate_nvml.sh end to end with the fake observer, nvidia-smi and workload
+nv_e2e() { # name [env...] -> rc
+    local n=$1 rc=0
+    shift
+    env "$@" PATH="$T/nvbin:$PATH" OBSERVER="$NV_FAKE" NVML_WORKLOAD="$T/nvbin/fake_nvml_alloc.py" \
+        FAKE_NVML_STATE="$T/$n.state" ACTIVE_DURATION=2 IDLE_DURATION=1 CAPTURE_INTERVAL=0.2 \
+        READY_TIMEOUT=5 STOP_TIMEOUT=5 WL_READY_TIMEOUT=20 WORK_DIR="$T/$n.work" PYTHON="$PY" \
+        bash "$GPU/validate_nvml.sh" "$T/$n.out" >"$T/$n.log" 2>&1 || rc=$?
+    echo "$rc"
+}
+check "validate_nvml.sh end to end (fakes, 2 GPUs)" 0 "$(nv_e2e nve1 FAKE_GPUS=2)"
+check "validate_nvml.sh: three files out" 3 "$(find "$T/nve1.out" -type f | wc -l | tr -d ' ')"
+check "validate_nvml.sh: report and results" "0 0" \
+    "$(has "Overall: \*\*PASS" "$T/nve1.out/NVML-VALIDATION.md") $(has '"overall": "PASS"' "$T/nve1.out/nvml-results.json")"
+check "validate_nvml.sh: one workload per GPU" 0 "$(has "run.workloads_ready  PASS     2 / 2" "$T/nve1.log")"
+check "validate_nvml.sh: no workload left running" 0 "$(find "$T/nve1.state" -name '*.json' | wc -l | tr -d ' ')"
+check "validate_nvml.sh: memory 3 MiB off -> rc 1" 1 "$(nv_e2e nve2 FAKE_NVML_FAULTS=mem_off_mib=3)"
+check "validate_nvml.sh: without torch -> rc 1, reported as not run" "1 0" \
+    "$(nv_e2e nve3 FAKE_NO_TORCH=1) $(has "PyTorch with CUDA not usable" "$T/nve3.out/NVML-VALIDATION.md")"
+check "validate_nvml.sh: observer fails to start -> rc 1, report written" "1 0" \
+    "$(nv_e2e nve4 FAKE_NVML_FAULTS=die_early=1) $(has "did not start" "$T/nve4.out/NVML-VALIDATION.md")"
+
 echo "$pass passed, $fail failed"
 ((fail == 0))
