@@ -89,10 +89,13 @@ fn expected_sample(i: u64, k: u64) -> Value {
         "hw.gpu.power.limit": 700.0,
         "hw.temperature": 40 + i,
         "hw.gpu.clock": {"graphics": 1500 + i, "sm": 1600 + i, "memory": 2600 + i},
-        "hw.gpu.pcie.throughput": {"transmit": 1000 * (i + 1) * 1024, "receive": 2000 * (i + 1) * 1024},
         "hw.gpu.pcie.link": {"generation": 5, "width": 16},
         "hw.gpu.throttle_reasons": [if i == 0 { "gpu_idle" } else { "sw_power_cap" }],
     });
+    if i == 1 {
+        // No PCIe byte counters: NVML's throughput call, read every 5 s and carried.
+        v["hw.gpu.pcie.throughput"] = json!({"transmit": 2000 * 1024, "receive": 4000 * 1024});
+    }
     if i == 0 {
         // Only device 0 has an encoder/decoder, a fan, ECC and Xid events.
         let m = v.as_object_mut().unwrap();
@@ -167,10 +170,38 @@ fn nvml_samples_reach_the_output_with_exact_values() {
     for i in 0..2u64 {
         let lines: Vec<&Value> = nvml_lines(&cap, "device").filter(|e| e["device"] == i).collect();
         assert!(lines.len() >= 4, "device {i}: {} samples", lines.len());
+        let mut reads = Vec::new();
         for (k, line) in lines.iter().enumerate() {
             let mut got = (*line).clone();
-            got.as_object_mut().unwrap().remove("ts_ns");
+            let m = got.as_object_mut().unwrap();
+            m.remove("ts_ns");
+            if i == 0 {
+                // PCIe byte counters, read every slow round (500 ms): the c-th read says
+                // 1e6·c / 2e6·c bytes; the rate is their change over the time between reads.
+                let io = m.remove("hw.gpu.io").expect("device 0 has PCIe counters");
+                let (tx, rx) = (io["transmit"].as_u64().unwrap(), io["receive"].as_u64().unwrap());
+                assert_eq!((tx % 1_000_000, rx), (0, 2 * tx), "{io}");
+                if reads.last() != Some(&tx) {
+                    reads.push(tx);
+                }
+                let rate = m.remove("hw.gpu.pcie.throughput");
+                assert_eq!(
+                    rate.is_some(),
+                    tx > 1_000_000,
+                    "a rate once there are two reads: {rate:?}"
+                );
+                if let Some(r) = rate {
+                    let (rt, rr) = (r["transmit"].as_u64().unwrap(), r["receive"].as_u64().unwrap());
+                    assert!(rt > 0 && (rr as i64 - 2 * rt as i64).abs() <= 1, "{r}");
+                }
+            } else {
+                assert!(m.get("hw.gpu.io").is_none(), "device 1 has no PCIe counters");
+            }
             assert_eq!(got, expected_sample(i, k as u64), "device {i} sample {k}");
+        }
+        if i == 0 {
+            let want: Vec<u64> = (1..=reads.len() as u64).map(|c| c * 1_000_000).collect();
+            assert_eq!(reads, want, "every counter read, in order");
         }
         // Both devices are sampled in one round: the same timestamps, ascending.
         let ts: Vec<u64> = lines.iter().map(|l| l["ts_ns"].as_u64().unwrap()).collect();
@@ -251,6 +282,33 @@ fn nvml_samples_reach_the_output_with_exact_values() {
     assert_eq!(
         q["nvmlDeviceGetEncoderUtilization"]["count"].as_u64(),
         Some(samples as u64 + 1)
+    );
+    // Per-process utilization once a second, and the 20 ms-blocking PCIe throughput call every
+    // 5 s on device 1 only (device 0 has byte counters): the rounds that were due.
+    let rounds = ts(0);
+    let due = |period_ms: u64| {
+        let (period, slack) = (period_ms * 1_000_000, period_ms * 50_000);
+        let mut last: Option<u64> = None;
+        rounds
+            .iter()
+            .filter(|&&t| {
+                let due = last.is_none_or(|l| t + slack >= l + period);
+                if due {
+                    last = Some(t);
+                }
+                due
+            })
+            .count() as u64
+    };
+    assert_eq!(
+        q["nvmlDeviceGetProcessUtilization"]["count"].as_u64(),
+        Some(2 * due(1000)),
+        "{q}"
+    );
+    assert_eq!(
+        q["nvmlDeviceGetPcieThroughput(tx)"]["count"].as_u64(),
+        Some(due(5000)),
+        "{q}"
     );
     assert!(t["sampler_cpu_ns"].as_u64().unwrap() > 0);
     assert!(t["sampler_wall_ns"].as_u64().unwrap() >= t["sampler_cpu_ns"].as_u64().unwrap());

@@ -157,11 +157,11 @@ fn devices_now(out: &mut String, gpus: &HubState) {
         if let Some(c) = s.clocks.sm {
             parts.push(format!("SM {c} MHz"));
         }
-        if let (Some(tx), Some(rx)) = (s.pcie_tx_kbps, s.pcie_rx_kbps) {
+        if let (Some(tx), Some(rx)) = (s.pcie_tx_bps, s.pcie_rx_bps) {
             parts.push(format!(
                 "PCIe tx {:.0} / rx {:.0} MB/s",
-                f64::from(tx) / 1024.0,
-                f64::from(rx) / 1024.0
+                tx as f64 / MIB,
+                rx as f64 / MIB
             ));
         }
         let slow: Vec<_> = s

@@ -27,6 +27,34 @@ const PENDING_MAX: usize = 8192;
 const PROCS_MAX: usize = 4096;
 /// Seed 002: temperature and fan every 500 ms.
 const SLOW_INTERVAL: Duration = Duration::from_millis(500);
+/// Per-process utilization (milliseconds per query; NVML returns every sample since the last).
+const PROCESS_UTIL_INTERVAL: Duration = Duration::from_secs(1);
+/// NVML's 20 ms-blocking PCIe throughput, where the byte counters are missing.
+const PCIE_FALLBACK_INTERVAL: Duration = Duration::from_secs(5);
+
+/// A period that is due on the first call, then every `period` (at least the interval).
+struct Every {
+    period: Duration,
+    last: Option<Instant>,
+}
+
+impl Every {
+    fn new(period: Duration, interval: Duration) -> Self {
+        Self {
+            period: period.max(interval),
+            last: None,
+        }
+    }
+
+    fn due(&mut self, now: Instant) -> bool {
+        // Half an interval of slack: a round that comes a little early still counts.
+        let due = self.last.is_none_or(|t| now + self.period / 20 >= t + self.period);
+        if due {
+            self.last = Some(now);
+        }
+        due
+    }
+}
 
 pub struct Config {
     pub interval: Duration,
@@ -312,13 +340,7 @@ impl Sampler {
     }
 }
 
-/// CPU time of the calling thread (what the sampler costs, NVML's work in it included).
-fn thread_cpu_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: valid timespec out-pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+use nvml::thread_cpu_ns;
 
 fn run(cfg: Config, hub: &Hub, stopped: &mpsc::Receiver<()>) {
     let nvml = match nvml::open(cfg.lib.as_deref()).and_then(|n| n.discover().map(|d| (n, d))) {
@@ -345,16 +367,20 @@ fn run(cfg: Config, hub: &Hub, stopped: &mpsc::Receiver<()>) {
     let mut sampler = nvml::Sampler::new(&nvml, count);
     let (cpu0, wall0) = (thread_cpu_ns(), Instant::now());
     let mut next = Instant::now();
-    let mut last_slow: Option<Instant> = None;
+    let mut slow = Every::new(SLOW_INTERVAL, cfg.interval);
+    let mut process_util = Every::new(PROCESS_UTIL_INTERVAL, cfg.interval);
+    let mut pcie_fallback = Every::new(PCIE_FALLBACK_INTERVAL, cfg.interval);
     let mut procs = Vec::new();
     loop {
         let ts_ns = crate::pipeline::monotonic_ns();
-        let slow = last_slow.is_none_or(|t| t.elapsed() >= SLOW_INTERVAL.max(cfg.interval));
-        if slow {
-            last_slow = Some(Instant::now());
-        }
+        let now = Instant::now();
+        let tiers = nvml::Tiers {
+            slow: slow.due(now),
+            process_util: process_util.due(now),
+            pcie_fallback: pcie_fallback.due(now),
+        };
         let samples: Vec<DeviceSample> = (0..count as usize)
-            .filter_map(|i| sampler.sample(i, ts_ns, slow, &mut procs))
+            .filter_map(|i| sampler.sample(i, ts_ns, tiers, &mut procs))
             .collect();
         {
             let mut h = hub.lock();

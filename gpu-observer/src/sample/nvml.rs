@@ -19,8 +19,13 @@ use nvml_wrapper::{
     Device, EventSet, Nvml as Lib,
     bitmasks::event::EventTypes,
     enum_wrappers::device::{Clock, EccCounter, MemoryError, PcieUtilCounter, TemperatureSensor},
-    enums::{device::UsedGpuMemory, event::XidError},
+    enums::{
+        device::{SampleValue, UsedGpuMemory},
+        event::XidError,
+    },
     error::NvmlError,
+    structs::device::FieldId,
+    sys_exports::field_id::{NVML_FI_DEV_PCIE_COUNT_RX_BYTES, NVML_FI_DEV_PCIE_COUNT_TX_BYTES},
 };
 use serde::Serialize;
 
@@ -141,9 +146,13 @@ pub struct DeviceSample {
     pub temperature_c: Option<u32>,
     pub fan_percent: Option<u32>,
     pub clocks: Clocks,
-    /// KB/s over NVML's 20 ms window.
-    pub pcie_tx_kbps: Option<u32>,
-    pub pcie_rx_kbps: Option<u32>,
+    /// PCIe bytes per second: the byte counters' rate over the last slow period, or NVML's
+    /// 20 ms throughput sample where the counters are missing.
+    pub pcie_tx_bps: Option<u64>,
+    pub pcie_rx_bps: Option<u64>,
+    /// NVML's cumulative PCIe byte counters (OTel `hw.gpu.io`).
+    pub io_tx_bytes: Option<u64>,
+    pub io_rx_bytes: Option<u64>,
     pub link: Link,
     pub throttle_reasons: Option<u64>,
     pub ecc_corrected: Option<u64>,
@@ -196,6 +205,7 @@ pub enum Q {
     ClockGraphics,
     ClockSm,
     ClockMemory,
+    PcieCounters,
     PcieTx,
     PcieRx,
     LinkGen,
@@ -224,6 +234,7 @@ pub const QUERY_NAMES: [&str; QUERIES] = [
     "nvmlDeviceGetClockInfo(graphics)",
     "nvmlDeviceGetClockInfo(sm)",
     "nvmlDeviceGetClockInfo(memory)",
+    "nvmlDeviceGetFieldValues(pcie bytes)",
     "nvmlDeviceGetPcieThroughput(tx)",
     "nvmlDeviceGetPcieThroughput(rx)",
     "nvmlDeviceGetCurrPcieLinkGeneration",
@@ -236,13 +247,35 @@ pub const QUERY_NAMES: [&str; QUERIES] = [
     "nvmlEventSetWait_v2",
 ];
 
-/// Latency of one query over the run.
+/// Latency of one query over the run, and the CPU time it took (NVML's ioctls included).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct QueryStat {
     pub count: u64,
     pub errors: u64,
     pub total_ns: u64,
     pub max_ns: u64,
+    pub cpu_ns: u64,
+}
+
+/// Which of the less frequent queries a sample includes.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Tiers {
+    /// Temperature, fan, power limit, link, ECC, PCIe byte counters (seed 002: 500 ms).
+    pub slow: bool,
+    /// Per-process utilization: one query returns every sample NVML took since the last, and
+    /// costs milliseconds, so it runs once a second.
+    pub process_util: bool,
+    /// NVML's PCIe throughput call blocks ~20 ms on its own window: only where the byte
+    /// counters are missing, every 5 s.
+    pub pcie_fallback: bool,
+}
+
+/// CPU time of the calling thread.
+pub fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid timespec out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// Is this error "the GPU does not have it" (absent from now on), rather than a transient
@@ -346,11 +379,16 @@ struct PerDevice {
     slow: DeviceSample,
     xid_errors: u64,
     last_xid: Option<u64>,
+    /// The previous PCIe counter read: (tx, rx, ts_ns).
+    last_io: Option<(u64, u64, u64)>,
+    /// Latest per-process utilization (percent: sm, memory, encoder, decoder), carried between
+    /// the once-a-second reads.
+    util: Vec<(u32, [u32; 4])>,
 }
 
 /// Takes samples; owns the per-device state and the query statistics.
 pub struct Sampler<'a> {
-    nvml: &'a Nvml,
+    handles: Vec<Option<Device<'a>>>,
     devices: Vec<PerDevice>,
     events: Vec<Option<EventSet<'a>>>,
     pub stats: [QueryStat; QUERIES],
@@ -383,12 +421,17 @@ impl<'a> Sampler<'a> {
                 }
             })
             .collect();
-        Self {
-            nvml,
+        let mut s = Self {
+            handles: Vec::new(),
             devices,
             events,
             stats: [QueryStat::default(); QUERIES],
-        }
+        };
+        // Handles live as long as NVML: taken once, not every round.
+        s.handles = (0..count as usize)
+            .map(|i| s.q(i, Q::Handle, || nvml.lib.device_by_index(i as u32)))
+            .collect();
+        s
     }
 
     /// Runs one query for device `i`, timed; `None` if it failed or is unsupported.
@@ -396,10 +439,11 @@ impl<'a> Sampler<'a> {
         if self.devices[i].unsupported & (1 << q as u64) != 0 {
             return None;
         }
-        let t = Instant::now();
+        let (t, cpu) = (Instant::now(), thread_cpu_ns());
         let r = f();
         let ns = t.elapsed().as_nanos() as u64;
         let s = &mut self.stats[q as usize];
+        s.cpu_ns += thread_cpu_ns().saturating_sub(cpu);
         s.count += 1;
         s.total_ns += ns;
         s.max_ns = s.max_ns.max(ns);
@@ -416,9 +460,27 @@ impl<'a> Sampler<'a> {
     }
 
     /// Samples device `i` (and its slow metrics when `slow`), appending the processes on it.
-    pub fn sample(&mut self, i: usize, ts_ns: u64, slow: bool, procs: &mut Vec<ProcessSample>) -> Option<DeviceSample> {
-        let nvml = self.nvml;
-        let dev = self.q(i, Q::Handle, || nvml.lib.device_by_index(i as u32))?;
+    pub fn sample(
+        &mut self,
+        i: usize,
+        ts_ns: u64,
+        tiers: Tiers,
+        procs: &mut Vec<ProcessSample>,
+    ) -> Option<DeviceSample> {
+        let dev = self.handles[i].take()?;
+        let s = self.sample_with(i, &dev, ts_ns, tiers, procs);
+        self.handles[i] = Some(dev);
+        Some(s)
+    }
+
+    fn sample_with(
+        &mut self,
+        i: usize,
+        dev: &Device<'a>,
+        ts_ns: u64,
+        tiers: Tiers,
+        procs: &mut Vec<ProcessSample>,
+    ) -> DeviceSample {
         let mut s = DeviceSample {
             ts_ns,
             device: i as u32,
@@ -446,15 +508,25 @@ impl<'a> Sampler<'a> {
             sm: self.q(i, Q::ClockSm, || dev.clock_info(Clock::SM)),
             memory: self.q(i, Q::ClockMemory, || dev.clock_info(Clock::Memory)),
         };
-        s.pcie_tx_kbps = self.q(i, Q::PcieTx, || dev.pcie_throughput(PcieUtilCounter::Send));
-        s.pcie_rx_kbps = self.q(i, Q::PcieRx, || dev.pcie_throughput(PcieUtilCounter::Receive));
         s.throttle_reasons = self
             .q(i, Q::Throttle, || dev.current_throttle_reasons())
             .map(|r| r.bits());
-        if slow {
-            self.slow(i, &dev);
+        if tiers.slow {
+            self.slow(i, dev, ts_ns);
+        }
+        if tiers.pcie_fallback && self.devices[i].unsupported & (1 << Q::PcieCounters as u64) != 0 {
+            let kb = 1024;
+            let tx = self.q(i, Q::PcieTx, || dev.pcie_throughput(PcieUtilCounter::Send));
+            let rx = self.q(i, Q::PcieRx, || dev.pcie_throughput(PcieUtilCounter::Receive));
+            let slow = &mut self.devices[i].slow;
+            slow.pcie_tx_bps = tx.map(|k| u64::from(k) * kb);
+            slow.pcie_rx_bps = rx.map(|k| u64::from(k) * kb);
         }
         let pd = &self.devices[i];
+        s.pcie_tx_bps = pd.slow.pcie_tx_bps;
+        s.pcie_rx_bps = pd.slow.pcie_rx_bps;
+        s.io_tx_bytes = pd.slow.io_tx_bytes;
+        s.io_rx_bytes = pd.slow.io_rx_bytes;
         s.power_limit_mw = pd.slow.power_limit_mw;
         s.temperature_c = pd.slow.temperature_c;
         s.fan_percent = pd.slow.fan_percent;
@@ -467,12 +539,13 @@ impl<'a> Sampler<'a> {
             s.xid_errors = Some(pd.xid_errors);
             s.last_xid = pd.last_xid;
         }
-        self.processes(i, &dev, ts_ns, procs);
-        Some(s)
+        self.processes(i, dev, ts_ns, tiers.process_util, procs);
+        s
     }
 
-    fn slow(&mut self, i: usize, dev: &Device<'a>) {
-        let v = DeviceSample {
+    fn slow(&mut self, i: usize, dev: &Device<'a>, ts_ns: u64) {
+        let prev = self.devices[i].slow.clone();
+        let mut v = DeviceSample {
             power_limit_mw: self.q(i, Q::PowerLimit, || dev.enforced_power_limit()),
             temperature_c: self.q(i, Q::Temperature, || dev.temperature(TemperatureSensor::Gpu)),
             fan_percent: self.q(i, Q::Fans, || {
@@ -493,8 +566,39 @@ impl<'a> Sampler<'a> {
             ecc_uncorrected: self.q(i, Q::EccUncorrected, || {
                 dev.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile)
             }),
+            // The fallback throughput (read every 5 s) stands until the next read.
+            pcie_tx_bps: prev.pcie_tx_bps,
+            pcie_rx_bps: prev.pcie_rx_bps,
             ..DeviceSample::default()
         };
+        // PCIe: NVML's cumulative byte counters (one cheap call); the rate is their change
+        // over the slow period.
+        let ids = [
+            FieldId(NVML_FI_DEV_PCIE_COUNT_TX_BYTES),
+            FieldId(NVML_FI_DEV_PCIE_COUNT_RX_BYTES),
+        ];
+        let counters = self.q(i, Q::PcieCounters, || {
+            let values = dev.field_values_for(&ids)?;
+            let get = |k: usize| match values.get(k).map(|v| v.as_ref().map(|s| &s.value)) {
+                Some(Ok(Ok(SampleValue::U64(b)))) => Ok(*b),
+                Some(Ok(Ok(SampleValue::U32(b)))) => Ok(u64::from(*b)),
+                Some(Ok(Ok(SampleValue::I64(b)))) if *b >= 0 => Ok(*b as u64),
+                _ => Err(NvmlError::NotSupported),
+            };
+            Ok((get(0)?, get(1)?))
+        });
+        if let Some((tx, rx)) = counters {
+            v.io_tx_bytes = Some(tx);
+            v.io_rx_bytes = Some(rx);
+            if let Some((ptx, prx, pts)) = self.devices[i].last_io
+                && ts_ns > pts
+            {
+                let dt = (ts_ns - pts) as f64 / 1e9;
+                v.pcie_tx_bps = Some((tx.saturating_sub(ptx) as f64 / dt).round() as u64);
+                v.pcie_rx_bps = Some((rx.saturating_sub(prx) as f64 / dt).round() as u64);
+            }
+            self.devices[i].last_io = Some((tx, rx, ts_ns));
+        }
         self.devices[i].slow = v;
     }
 
@@ -529,7 +633,7 @@ impl<'a> Sampler<'a> {
 
     /// The compute processes on device `i`, with their memory and (when NVML has a sample for
     /// them since the last call) utilization.
-    fn processes(&mut self, i: usize, dev: &Device<'a>, ts_ns: u64, out: &mut Vec<ProcessSample>) {
+    fn processes(&mut self, i: usize, dev: &Device<'a>, ts_ns: u64, read_util: bool, out: &mut Vec<ProcessSample>) {
         let start = out.len();
         if let Some(list) = self.q(i, Q::Processes, || detail_list(dev)) {
             out.extend(list.into_iter().map(|(pid, memory_bytes)| ProcessSample {
@@ -540,33 +644,59 @@ impl<'a> Sampler<'a> {
                 ..ProcessSample::default()
             }));
         }
-        let last = self.devices[i].last_util_us;
-        let samples = self.q(i, Q::ProcessUtilization, || match dev.process_utilization_stats(last) {
-            // No process had a sample since `last`.
-            Err(NvmlError::NotFound) => Ok(Vec::new()),
-            r => r,
-        });
-        let Some(samples) = samples else { return };
-        for u in samples {
-            let pd = &mut self.devices[i];
-            pd.last_util_us = pd.last_util_us.max(u.timestamp);
-            let row = match out[start..].iter_mut().find(|p| p.pid == u.pid) {
-                Some(row) => row,
-                None => {
+        if read_util {
+            let last = self.devices[i].last_util_us;
+            let samples = self.q(i, Q::ProcessUtilization, || match dev.process_utilization_stats(last) {
+                // No process had a sample since `last`.
+                Err(NvmlError::NotFound) => Ok(Vec::new()),
+                r => r,
+            });
+            if let Some(samples) = samples {
+                // The mean of each pid's samples since the last read.
+                let mut sums: Vec<(u32, [u64; 4], u64)> = Vec::new();
+                for u in samples {
+                    let pd = &mut self.devices[i];
+                    pd.last_util_us = pd.last_util_us.max(u.timestamp);
+                    let at = match sums.iter().position(|(pid, ..)| *pid == u.pid) {
+                        Some(at) => at,
+                        None => {
+                            sums.push((u.pid, [0; 4], 0));
+                            sums.len() - 1
+                        }
+                    };
+                    let (_, sum, n) = &mut sums[at];
+                    for (s, v) in sum.iter_mut().zip([u.sm_util, u.mem_util, u.enc_util, u.dec_util]) {
+                        *s += u64::from(v);
+                    }
+                    *n += 1;
+                }
+                self.devices[i].util = sums
+                    .into_iter()
+                    .map(|(pid, sum, n)| (pid, sum.map(|s| ((s + n / 2) / n) as u32)))
+                    .collect();
+            }
+        }
+        // Every process on the device, with its latest utilization (processes NVML has a
+        // utilization sample for but no memory entry are listed too).
+        for &(pid, [sm, mem, enc, dec]) in &self.devices[i].util {
+            let row = match out[start..].iter().position(|p| p.pid == pid) {
+                Some(at) => &mut out[start + at],
+                None if read_util => {
                     out.push(ProcessSample {
                         ts_ns,
                         device: i as u32,
-                        pid: u.pid,
+                        pid,
                         ..ProcessSample::default()
                     });
                     out.last_mut().expect("just pushed")
                 }
+                // Carried over, but the process is gone from the device.
+                None => continue,
             };
-            // Several samples of one pid: the busiest of the interval.
-            row.util_sm = Some(row.util_sm.unwrap_or(0).max(u.sm_util));
-            row.util_memory = Some(row.util_memory.unwrap_or(0).max(u.mem_util));
-            row.util_encoder = Some(row.util_encoder.unwrap_or(0).max(u.enc_util));
-            row.util_decoder = Some(row.util_decoder.unwrap_or(0).max(u.dec_util));
+            row.util_sm = Some(sm);
+            row.util_memory = Some(mem);
+            row.util_encoder = Some(enc);
+            row.util_decoder = Some(dec);
         }
     }
 }

@@ -99,8 +99,16 @@ fn device_line(s: &DeviceSample, uuid: Option<&str>, name: Option<&str>) -> Map<
         &mut m,
         "hw.gpu.pcie.throughput",
         group([
-            ("transmit", s.pcie_tx_kbps.map(|k| Value::from(u64::from(k) * 1024))),
-            ("receive", s.pcie_rx_kbps.map(|k| Value::from(u64::from(k) * 1024))),
+            ("transmit", s.pcie_tx_bps.map(Value::from)),
+            ("receive", s.pcie_rx_bps.map(Value::from)),
+        ]),
+    );
+    put(
+        &mut m,
+        "hw.gpu.io",
+        group([
+            ("transmit", s.io_tx_bytes.map(Value::from)),
+            ("receive", s.io_rx_bytes.map(Value::from)),
         ]),
     );
     put(
@@ -247,6 +255,7 @@ impl<W: Write> JsonlWriter<W> {
                         "errors": s.errors,
                         "mean": s.total_ns / s.count,
                         "max": s.max_ns,
+                        "cpu_mean": s.cpu_ns / s.count,
                     }),
                 );
             }
