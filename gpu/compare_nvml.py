@@ -733,6 +733,7 @@ def cost_check(ctx, run, label, group):
             continue
         m = v.get("mean")
         rows.append([f"`{k}`", v.get("count", "-"), v.get("errors", "-"), us(m), us(v.get("max")),
+                     us(v.get("cpu_mean")) if is_num(v.get("cpu_mean")) else "-",
                      "ok" if is_num(m) and m < a.query_mean_max_ns else "**FAIL**"])
     return {"sampler_cpu_ratio": ratio, "sampler_cpu_ns": cpu, "sampler_wall_ns": wall,
             "query_ns": q}, rows
@@ -1020,8 +1021,8 @@ def cost_md(cost, qrows):
     if is_num(cost["sampler_cpu_ns"]) and is_num(cost["sampler_wall_ns"]):
         out[0] += f"; sampler_cpu_ns {cost['sampler_cpu_ns']}, sampler_wall_ns {cost['sampler_wall_ns']}"
     out.append("")
-    out += fmt_table(["NVML query", "count", "errors", "mean", "max", "mean < limit"], qrows,
-                     ["---", "---:", "---:", "---:", "---:", "---"])
+    out += fmt_table(["NVML query", "count", "errors", "mean", "max", "CPU mean", "mean < limit"], qrows,
+                     ["---", "---:", "---:", "---:", "---:", "---:", "---"])
     out.append("")
     return out
 

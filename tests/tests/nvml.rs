@@ -141,7 +141,8 @@ fn nvml_samples_reach_the_output_with_exact_values() {
     agent.wait_stderr("attached", Duration::from_secs(10));
     agent.wait_stderr("NVML", Duration::from_secs(10));
     w.cmd("init");
-    wait_for_samples(&dir, 4);
+    // Past 1 s of 50 ms rounds: two reads of the PCIe counters.
+    wait_for_samples(&dir, 24);
     let pid = w.pid;
     w.exit();
     let cap = agent.finish();
@@ -169,14 +170,14 @@ fn nvml_samples_reach_the_output_with_exact_values() {
     let mut samples = 0;
     for i in 0..2u64 {
         let lines: Vec<&Value> = nvml_lines(&cap, "device").filter(|e| e["device"] == i).collect();
-        assert!(lines.len() >= 4, "device {i}: {} samples", lines.len());
+        assert!(lines.len() >= 24, "device {i}: {} samples", lines.len());
         let mut reads = Vec::new();
         for (k, line) in lines.iter().enumerate() {
             let mut got = (*line).clone();
             let m = got.as_object_mut().unwrap();
             m.remove("ts_ns");
             if i == 0 {
-                // PCIe byte counters, read every slow round (500 ms): the c-th read says
+                // PCIe byte counters, read once a second: the c-th read says
                 // 1e6·c / 2e6·c bytes; the rate is their change over the time between reads.
                 let io = m.remove("hw.gpu.io").expect("device 0 has PCIe counters");
                 let (tx, rx) = (io["transmit"].as_u64().unwrap(), io["receive"].as_u64().unwrap());
@@ -202,6 +203,7 @@ fn nvml_samples_reach_the_output_with_exact_values() {
         if i == 0 {
             let want: Vec<u64> = (1..=reads.len() as u64).map(|c| c * 1_000_000).collect();
             assert_eq!(reads, want, "every counter read, in order");
+            assert!(reads.len() >= 2, "two reads, so a rate: {reads:?}");
         }
         // Both devices are sampled in one round: the same timestamps, ascending.
         let ts: Vec<u64> = lines.iter().map(|l| l["ts_ns"].as_u64().unwrap()).collect();
@@ -216,9 +218,8 @@ fn nvml_samples_reach_the_output_with_exact_values() {
     };
     assert_eq!(ts(0), ts(1));
 
-    // Per-process lines: only the observed pid, on device 1, every sample.
+    // Per-process lines: only the observed pid, on device 1, every 500 ms round.
     let procs: Vec<&Value> = nvml_lines(&cap, "process").collect();
-    assert_eq!(procs.len(), samples, "one process line per round");
     for p in &procs {
         let mut got = (*p).clone();
         got.as_object_mut().unwrap().remove("ts_ns");
@@ -265,6 +266,26 @@ fn nvml_samples_reach_the_output_with_exact_values() {
     }
 
     // The sampler's own account: state, rounds, every query timed.
+    // The rounds each tier was due in (the sampler's own rule, on the rounds' timestamps).
+    let rounds = ts(0);
+    let due = |period_ms: u64| -> Vec<u64> {
+        let (period, slack) = (period_ms * 1_000_000, period_ms * 50_000);
+        let mut last: Option<u64> = None;
+        rounds
+            .iter()
+            .copied()
+            .filter(|&t| {
+                let due = last.is_none_or(|l| t + slack >= l + period);
+                if due {
+                    last = Some(t);
+                }
+                due
+            })
+            .collect()
+    };
+    let proc_ts: Vec<u64> = procs.iter().map(|p| p["ts_ns"].as_u64().unwrap()).collect();
+    assert_eq!(proc_ts, due(500), "process lines on the 500 ms rounds");
+
     let t = &cap.total()["nvml"];
     assert_eq!(t["state"], "active", "{t}");
     assert_eq!(t["devices"], 2);
@@ -277,37 +298,29 @@ fn nvml_samples_reach_the_output_with_exact_values() {
         Some(2 * samples as u64)
     );
     assert_eq!(q["nvmlDeviceGetUtilizationRates"]["errors"], 0);
-    // Device 1's NOT_SUPPORTED encoder is asked once, then never again.
+    let n = |ms| due(ms).len() as u64;
+    // Device 1's NOT_SUPPORTED encoder (a 500 ms query) is asked once, then never again.
     assert_eq!(q["nvmlDeviceGetEncoderUtilization"]["errors"], 1);
+    assert_eq!(q["nvmlDeviceGetEncoderUtilization"]["count"].as_u64(), Some(n(500) + 1));
     assert_eq!(
-        q["nvmlDeviceGetEncoderUtilization"]["count"].as_u64(),
-        Some(samples as u64 + 1)
+        q["nvmlDeviceGetMemoryInfo_v2"]["count"].as_u64(),
+        Some(2 * samples as u64)
     );
-    // Per-process utilization once a second, and the 20 ms-blocking PCIe throughput call every
-    // 5 s on device 1 only (device 0 has byte counters): the rounds that were due.
-    let rounds = ts(0);
-    let due = |period_ms: u64| {
-        let (period, slack) = (period_ms * 1_000_000, period_ms * 50_000);
-        let mut last: Option<u64> = None;
-        rounds
-            .iter()
-            .filter(|&&t| {
-                let due = last.is_none_or(|l| t + slack >= l + period);
-                if due {
-                    last = Some(t);
-                }
-                due
-            })
-            .count() as u64
-    };
+    // PCIe counters once a second on both (device 1 says NOT_SUPPORTED once); per-process
+    // utilization every 5 s; the 20 ms-blocking throughput call every 5 s, device 1 only.
+    assert_eq!(
+        q["nvmlDeviceGetFieldValues(pcie bytes)"]["count"].as_u64(),
+        Some(n(1000) + 1),
+        "{q}"
+    );
     assert_eq!(
         q["nvmlDeviceGetProcessUtilization"]["count"].as_u64(),
-        Some(2 * due(1000)),
+        Some(2 * n(5000)),
         "{q}"
     );
     assert_eq!(
         q["nvmlDeviceGetPcieThroughput(tx)"]["count"].as_u64(),
-        Some(due(5000)),
+        Some(n(5000)),
         "{q}"
     );
     assert!(t["sampler_cpu_ns"].as_u64().unwrap() > 0);
@@ -339,7 +352,8 @@ fn older_drivers_give_process_memory_through_the_v3_call() {
     );
     agent.wait_stderr("attached", Duration::from_secs(10));
     w.cmd("init");
-    wait_for_samples(&dir, 2);
+    // Two 500 ms rounds: two process lines.
+    wait_for_samples(&dir, 12);
     let pid = w.pid;
     w.exit();
     let cap = agent.finish();

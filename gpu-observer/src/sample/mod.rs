@@ -25,12 +25,11 @@ pub const HISTORY: usize = 600;
 const PENDING_MAX: usize = 8192;
 /// Processes remembered for the summary; the longest unseen go first.
 const PROCS_MAX: usize = 4096;
-/// Seed 002: temperature and fan every 500 ms.
-const SLOW_INTERVAL: Duration = Duration::from_millis(500);
-/// Per-process utilization (milliseconds per query; NVML returns every sample since the last).
-const PROCESS_UTIL_INTERVAL: Duration = Duration::from_secs(1);
-/// NVML's 20 ms-blocking PCIe throughput, where the byte counters are missing.
-const PCIE_FALLBACK_INTERVAL: Duration = Duration::from_secs(5);
+/// The tiers of [`nvml::Tiers`]: seed 002's 500 ms for temperature and fan, and the rest by
+/// what each query costs.
+const MEDIUM_INTERVAL: Duration = Duration::from_millis(500);
+const PCIE_INTERVAL: Duration = Duration::from_secs(1);
+const RARE_INTERVAL: Duration = Duration::from_secs(5);
 
 /// A period that is due on the first call, then every `period` (at least the interval).
 struct Every {
@@ -367,17 +366,17 @@ fn run(cfg: Config, hub: &Hub, stopped: &mpsc::Receiver<()>) {
     let mut sampler = nvml::Sampler::new(&nvml, count);
     let (cpu0, wall0) = (thread_cpu_ns(), Instant::now());
     let mut next = Instant::now();
-    let mut slow = Every::new(SLOW_INTERVAL, cfg.interval);
-    let mut process_util = Every::new(PROCESS_UTIL_INTERVAL, cfg.interval);
-    let mut pcie_fallback = Every::new(PCIE_FALLBACK_INTERVAL, cfg.interval);
+    let mut medium = Every::new(MEDIUM_INTERVAL, cfg.interval);
+    let mut pcie = Every::new(PCIE_INTERVAL, cfg.interval);
+    let mut rare = Every::new(RARE_INTERVAL, cfg.interval);
     let mut procs = Vec::new();
     loop {
         let ts_ns = crate::pipeline::monotonic_ns();
         let now = Instant::now();
         let tiers = nvml::Tiers {
-            slow: slow.due(now),
-            process_util: process_util.due(now),
-            pcie_fallback: pcie_fallback.due(now),
+            medium: medium.due(now),
+            pcie: pcie.due(now),
+            rare: rare.due(now),
         };
         let samples: Vec<DeviceSample> = (0..count as usize)
             .filter_map(|i| sampler.sample(i, ts_ns, tiers, &mut procs))

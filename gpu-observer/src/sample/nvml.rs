@@ -247,27 +247,32 @@ pub const QUERY_NAMES: [&str; QUERIES] = [
     "nvmlEventSetWait_v2",
 ];
 
-/// Latency of one query over the run, and the CPU time it took (NVML's ioctls included).
+/// Latency of one query over the run. (Its CPU time is the same: NVML spins while it waits
+/// for the driver; measured once with `gpu/bench_nvml_queries.py`, not per query here, where
+/// two clock syscalls per query would cost more than the cheap queries themselves.)
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct QueryStat {
     pub count: u64,
     pub errors: u64,
     pub total_ns: u64,
     pub max_ns: u64,
-    pub cpu_ns: u64,
 }
 
-/// Which of the less frequent queries a sample includes.
+/// Which of the less frequent queries a round includes. Every round (the interval, 100 ms)
+/// reads utilization, memory, power and the SM clock; the tiers are set by what each query
+/// costs on an H100 (docs/BENCHMARKS.md: NVML spins, so its wall time is CPU time).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Tiers {
-    /// Temperature, fan, power limit, link, ECC, PCIe byte counters (seed 002: 500 ms).
-    pub slow: bool,
-    /// Per-process utilization: one query returns every sample NVML took since the last, and
-    /// costs milliseconds, so it runs once a second.
-    pub process_util: bool,
-    /// NVML's PCIe throughput call blocks ~20 ms on its own window: only where the byte
-    /// counters are missing, every 5 s.
-    pub pcie_fallback: bool,
+    /// 500 ms (seed 002's rate for temperature and fan): encoder/decoder, graphics and memory
+    /// clocks, throttle reasons, power limit, temperature, fan, ECC, and the processes with
+    /// their memory.
+    pub medium: bool,
+    /// 1 s: the PCIe byte counters (~0.3–0.8 ms a read).
+    pub pcie: bool,
+    /// 5 s: per-process utilization (~2–3 ms a read; NVML returns every sample since the
+    /// last, so nothing is lost), link generation/width, and NVML's 20 ms-blocking PCIe
+    /// throughput where the byte counters are missing.
+    pub rare: bool,
 }
 
 /// CPU time of the calling thread.
@@ -375,8 +380,8 @@ struct PerDevice {
     unsupported: u64,
     /// NVML's own timestamp (µs) of the newest per-process utilization sample seen.
     last_util_us: u64,
-    /// The slow metrics' latest values, carried on every sample until the next slow round.
-    slow: DeviceSample,
+    /// The less frequent tiers' latest values, carried on every sample until their next read.
+    carried: DeviceSample,
     xid_errors: u64,
     last_xid: Option<u64>,
     /// The previous PCIe counter read: (tx, rx, ts_ns).
@@ -399,8 +404,8 @@ impl<'a> Sampler<'a> {
         let now_us = crate::pipeline::realtime_us();
         let mut devices: Vec<PerDevice> = (0..count)
             .map(|_| PerDevice {
-                // Only utilization samples from now on, not NVML's whole buffer.
-                last_util_us: now_us,
+                // The last second of NVML's samples, not its whole buffer.
+                last_util_us: now_us.saturating_sub(1_000_000),
                 ..PerDevice::default()
             })
             .collect();
@@ -439,11 +444,10 @@ impl<'a> Sampler<'a> {
         if self.devices[i].unsupported & (1 << q as u64) != 0 {
             return None;
         }
-        let (t, cpu) = (Instant::now(), thread_cpu_ns());
+        let t = Instant::now();
         let r = f();
         let ns = t.elapsed().as_nanos() as u64;
         let s = &mut self.stats[q as usize];
-        s.cpu_ns += thread_cpu_ns().saturating_sub(cpu);
         s.count += 1;
         s.total_ns += ns;
         s.max_ns = s.max_ns.max(ns);
@@ -481,21 +485,42 @@ impl<'a> Sampler<'a> {
         tiers: Tiers,
         procs: &mut Vec<ProcessSample>,
     ) -> DeviceSample {
+        if tiers.medium {
+            self.medium(i, dev);
+        }
+        if tiers.pcie {
+            self.pcie(i, dev, ts_ns);
+        }
+        if tiers.rare {
+            let link = Link {
+                generation: self.q(i, Q::LinkGen, || dev.current_pcie_link_gen()),
+                width: self.q(i, Q::LinkWidth, || dev.current_pcie_link_width()),
+            };
+            self.devices[i].carried.link = link;
+            if self.devices[i].unsupported & (1 << Q::PcieCounters as u64) != 0 {
+                let tx = self.q(i, Q::PcieTx, || dev.pcie_throughput(PcieUtilCounter::Send));
+                let rx = self.q(i, Q::PcieRx, || dev.pcie_throughput(PcieUtilCounter::Receive));
+                let c = &mut self.devices[i].carried;
+                c.pcie_tx_bps = tx.map(|k| u64::from(k) * 1024);
+                c.pcie_rx_bps = rx.map(|k| u64::from(k) * 1024);
+            }
+        }
+        // What this round reads; the rest is the latest of its tier.
         let mut s = DeviceSample {
             ts_ns,
             device: i as u32,
-            ..DeviceSample::default()
+            ..self.devices[i].carried.clone()
         };
+        s.util_gpu = None;
+        s.util_memory = None;
         if let Some(u) = self.q(i, Q::Utilization, || dev.utilization_rates()) {
             s.util_gpu = Some(u.gpu);
             s.util_memory = Some(u.memory);
         }
-        s.util_encoder = self
-            .q(i, Q::Encoder, || dev.encoder_utilization())
-            .map(|u| u.utilization);
-        s.util_decoder = self
-            .q(i, Q::Decoder, || dev.decoder_utilization())
-            .map(|u| u.utilization);
+        s.memory_used = None;
+        s.memory_free = None;
+        s.memory_reserved = None;
+        s.memory_total = None;
         if let Some(m) = self.q(i, Q::Memory, || dev.memory_info()) {
             s.memory_used = Some(m.used);
             s.memory_free = Some(m.free);
@@ -503,76 +528,64 @@ impl<'a> Sampler<'a> {
             s.memory_total = Some(m.total);
         }
         s.power_mw = self.q(i, Q::Power, || dev.power_usage());
-        s.clocks = Clocks {
-            graphics: self.q(i, Q::ClockGraphics, || dev.clock_info(Clock::Graphics)),
-            sm: self.q(i, Q::ClockSm, || dev.clock_info(Clock::SM)),
-            memory: self.q(i, Q::ClockMemory, || dev.clock_info(Clock::Memory)),
-        };
-        s.throttle_reasons = self
-            .q(i, Q::Throttle, || dev.current_throttle_reasons())
-            .map(|r| r.bits());
-        if tiers.slow {
-            self.slow(i, dev, ts_ns);
-        }
-        if tiers.pcie_fallback && self.devices[i].unsupported & (1 << Q::PcieCounters as u64) != 0 {
-            let kb = 1024;
-            let tx = self.q(i, Q::PcieTx, || dev.pcie_throughput(PcieUtilCounter::Send));
-            let rx = self.q(i, Q::PcieRx, || dev.pcie_throughput(PcieUtilCounter::Receive));
-            let slow = &mut self.devices[i].slow;
-            slow.pcie_tx_bps = tx.map(|k| u64::from(k) * kb);
-            slow.pcie_rx_bps = rx.map(|k| u64::from(k) * kb);
-        }
-        let pd = &self.devices[i];
-        s.pcie_tx_bps = pd.slow.pcie_tx_bps;
-        s.pcie_rx_bps = pd.slow.pcie_rx_bps;
-        s.io_tx_bytes = pd.slow.io_tx_bytes;
-        s.io_rx_bytes = pd.slow.io_rx_bytes;
-        s.power_limit_mw = pd.slow.power_limit_mw;
-        s.temperature_c = pd.slow.temperature_c;
-        s.fan_percent = pd.slow.fan_percent;
-        s.link = pd.slow.link;
-        s.ecc_corrected = pd.slow.ecc_corrected;
-        s.ecc_uncorrected = pd.slow.ecc_uncorrected;
+        s.clocks.sm = self.q(i, Q::ClockSm, || dev.clock_info(Clock::SM));
         self.poll_xid(i);
         let pd = &self.devices[i];
         if pd.unsupported & (1 << Q::Events as u64) == 0 {
             s.xid_errors = Some(pd.xid_errors);
             s.last_xid = pd.last_xid;
         }
-        self.processes(i, dev, ts_ns, tiers.process_util, procs);
+        if tiers.medium {
+            self.processes(i, dev, ts_ns, tiers.rare, procs);
+        }
         s
     }
 
-    fn slow(&mut self, i: usize, dev: &Device<'a>, ts_ns: u64) {
-        let prev = self.devices[i].slow.clone();
-        let mut v = DeviceSample {
-            power_limit_mw: self.q(i, Q::PowerLimit, || dev.enforced_power_limit()),
-            temperature_c: self.q(i, Q::Temperature, || dev.temperature(TemperatureSensor::Gpu)),
-            fan_percent: self.q(i, Q::Fans, || {
-                // The first fan stands for the board; a GPU without fans says NotSupported.
-                let n = dev.num_fans()?;
-                if n == 0 {
-                    return Err(NvmlError::NotSupported);
-                }
-                dev.fan_speed(0)
-            }),
-            link: Link {
-                generation: self.q(i, Q::LinkGen, || dev.current_pcie_link_gen()),
-                width: self.q(i, Q::LinkWidth, || dev.current_pcie_link_width()),
-            },
-            ecc_corrected: self.q(i, Q::EccCorrected, || {
-                dev.total_ecc_errors(MemoryError::Corrected, EccCounter::Volatile)
-            }),
-            ecc_uncorrected: self.q(i, Q::EccUncorrected, || {
-                dev.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile)
-            }),
-            // The fallback throughput (read every 5 s) stands until the next read.
-            pcie_tx_bps: prev.pcie_tx_bps,
-            pcie_rx_bps: prev.pcie_rx_bps,
-            ..DeviceSample::default()
-        };
-        // PCIe: NVML's cumulative byte counters (one cheap call); the rate is their change
-        // over the slow period.
+    /// The 500 ms tier: what changes slowly or matters less often than utilization and memory.
+    fn medium(&mut self, i: usize, dev: &Device<'a>) {
+        let encoder = self
+            .q(i, Q::Encoder, || dev.encoder_utilization())
+            .map(|u| u.utilization);
+        let decoder = self
+            .q(i, Q::Decoder, || dev.decoder_utilization())
+            .map(|u| u.utilization);
+        let graphics = self.q(i, Q::ClockGraphics, || dev.clock_info(Clock::Graphics));
+        let memory = self.q(i, Q::ClockMemory, || dev.clock_info(Clock::Memory));
+        let throttle = self
+            .q(i, Q::Throttle, || dev.current_throttle_reasons())
+            .map(|r| r.bits());
+        let power_limit = self.q(i, Q::PowerLimit, || dev.enforced_power_limit());
+        let temperature = self.q(i, Q::Temperature, || dev.temperature(TemperatureSensor::Gpu));
+        let fan = self.q(i, Q::Fans, || {
+            // The first fan stands for the board; a GPU without fans says NotSupported.
+            let n = dev.num_fans()?;
+            if n == 0 {
+                return Err(NvmlError::NotSupported);
+            }
+            dev.fan_speed(0)
+        });
+        let ecc_corrected = self.q(i, Q::EccCorrected, || {
+            dev.total_ecc_errors(MemoryError::Corrected, EccCounter::Volatile)
+        });
+        let ecc_uncorrected = self.q(i, Q::EccUncorrected, || {
+            dev.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile)
+        });
+        let c = &mut self.devices[i].carried;
+        c.util_encoder = encoder;
+        c.util_decoder = decoder;
+        c.clocks.graphics = graphics;
+        c.clocks.memory = memory;
+        c.throttle_reasons = throttle;
+        c.power_limit_mw = power_limit;
+        c.temperature_c = temperature;
+        c.fan_percent = fan;
+        c.ecc_corrected = ecc_corrected;
+        c.ecc_uncorrected = ecc_uncorrected;
+    }
+
+    /// PCIe: NVML's cumulative byte counters (hundreds of µs of CPU a read, so once a second);
+    /// the rate is their change since the last read.
+    fn pcie(&mut self, i: usize, dev: &Device<'a>, ts_ns: u64) {
         let ids = [
             FieldId(NVML_FI_DEV_PCIE_COUNT_TX_BYTES),
             FieldId(NVML_FI_DEV_PCIE_COUNT_RX_BYTES),
@@ -587,19 +600,18 @@ impl<'a> Sampler<'a> {
             };
             Ok((get(0)?, get(1)?))
         });
-        if let Some((tx, rx)) = counters {
-            v.io_tx_bytes = Some(tx);
-            v.io_rx_bytes = Some(rx);
-            if let Some((ptx, prx, pts)) = self.devices[i].last_io
-                && ts_ns > pts
-            {
-                let dt = (ts_ns - pts) as f64 / 1e9;
-                v.pcie_tx_bps = Some((tx.saturating_sub(ptx) as f64 / dt).round() as u64);
-                v.pcie_rx_bps = Some((rx.saturating_sub(prx) as f64 / dt).round() as u64);
-            }
-            self.devices[i].last_io = Some((tx, rx, ts_ns));
+        let Some((tx, rx)) = counters else { return };
+        let pd = &mut self.devices[i];
+        pd.carried.io_tx_bytes = Some(tx);
+        pd.carried.io_rx_bytes = Some(rx);
+        if let Some((ptx, prx, pts)) = pd.last_io
+            && ts_ns > pts
+        {
+            let dt = (ts_ns - pts) as f64 / 1e9;
+            pd.carried.pcie_tx_bps = Some((tx.saturating_sub(ptx) as f64 / dt).round() as u64);
+            pd.carried.pcie_rx_bps = Some((rx.saturating_sub(prx) as f64 / dt).round() as u64);
         }
-        self.devices[i].slow = v;
+        pd.last_io = Some((tx, rx, ts_ns));
     }
 
     /// Drains device `i`'s Xid events without waiting (a timeout is "no event", not an error).

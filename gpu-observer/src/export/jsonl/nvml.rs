@@ -255,7 +255,6 @@ impl<W: Write> JsonlWriter<W> {
                         "errors": s.errors,
                         "mean": s.total_ns / s.count,
                         "max": s.max_ns,
-                        "cpu_mean": s.cpu_ns / s.count,
                     }),
                 );
             }
