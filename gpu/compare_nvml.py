@@ -929,7 +929,10 @@ def active_checks(ctx, run, gpus, caps, workloads):
         on_dev = [o for o in lst if o.get("uuid") == exp]
         cs = smi_caps(caps, "apps", lambda r, p=pid, e=exp: r[0] == p and r[1] == e)
         smi_other = sorted({r[1] for c in caps if c["query"] == "apps" for r in c["rows"] if r[0] == pid and r[1] != exp})
-        mem = compare_series(on_dev, lambda o: metric(o, "hw.gpu.memory.usage"), cs, interval_ns, a.mem_tol_mib)
+        # Process lines come every 500 ms (the sampler's medium tier), not every interval.
+        proc_interval_ns = max(interval_ns, int(a.process_interval_ms * 1e6))
+        mem = compare_series(on_dev, lambda o: metric(o, "hw.gpu.memory.usage"), cs, proc_interval_ns,
+                             a.mem_tol_mib)
         usage = [metric(o, "hw.gpu.memory.usage") for o in on_dev]
         usage = [x for x in usage if x is not None]
         utl = [metric(o, "hw.gpu.utilization", "general") for o in on_dev]
@@ -1144,6 +1147,8 @@ def main():
                    help="how many workloads were started (a missing one fails)")
     r.add_argument("--idle-events", default=None, help="observer JSONL of the idle run")
     r.add_argument("--interval-ms", type=float, default=100)
+    r.add_argument("--process-interval-ms", type=float, default=500,
+                   help="how often the observer writes per-process lines (its 500 ms tier)")
     r.add_argument("--interval-tol", type=float, default=0.2, help="relative (0.2: ±20%%)")
     r.add_argument("--mem-tol-mib", type=float, default=1.0)
     r.add_argument("--min-compared", type=int, default=3)

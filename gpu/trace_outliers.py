@@ -36,11 +36,28 @@ the write; trace stamp - N should be a few us) and the observer's `ioctl` lines 
 sys_enter ioctl of the same thread.
 
 Only the trace entries within --context-ms of the launches analysed are parsed (0: all), plus
-thread creation/renames and the clock markers: a thread's on-CPU intervals come from the global
-sched_switch stream; where a thread is switched out without a switch-in seen (lost events, the
-start of a kept range, or kernels that do not record some idle -> task switches: seen on a
-6.18 VM), its switch-in is inferred from the CPU's last event in another context (usually the
-wakeup) and flagged.
+thread creation/renames and the clock markers.  Every trace entry is recorded in the context of
+the task current on its CPU, so a thread's on-CPU intervals come from the sched_switch stream and
+from its own events (one proves it was on that CPU, another context's event on the CPU that it was
+not): a switch-in missing from the trace (lost events, the start of a kept range, kernels that do
+not record some idle -> task switches: seen on a 6.18 VM and locally) is inferred at the CPU's
+last event in another context before the thread's own event (usually the wakeup), a missing
+switch-out at the CPU's next event in another context; both are flagged, and off-CPU time is
+never claimed past an event of the thread itself.
+
+States whose end is not in the trace are capped at the first proof that they ended, flagged
+"unterminated", and never counted beyond it:
+  syscalls     a sys_exit closes the thread's open sys_enter whatever NR it prints (the uretprobe
+               trampoline's syscall, NR 335 on x86-64 since Linux 6.11, and rt_sigreturn print
+               their exit as NR -1); a sys_enter with no exit ends at the thread's next sys_enter,
+               its next user page fault, or the next of the observer's uprobe stamps at a CUDA
+               call's entry (launch_ts_ns; launch/memcpy/memset/sync ts_ns in the JSONL): the
+               thread was in user mode there.  So nothing that started before launch_ts_ns is
+               syscall time in the gap.
+  IRQs         a handler with no exit ends at a sched_switch or a syscall/user fault on the CPU,
+               at an event whose ftrace flags show task context, at a new entry of its level
+               (hard IRQs and vectors do not nest, nor do softirqs), or at an outer handler's exit;
+  kprobes      an entry with no return ends at the thread's next syscall event or user fault.
 
 Outliers: gpu_kernel lines with cupti_api_start_ns - launch_ts_ns > --threshold-ns.  Controls:
 for each outlier the nearest normal launch (|gap| <= threshold) of the same kernel and thread,
@@ -115,12 +132,18 @@ SYSCALLS_X86_64 = {
     321: "bpf", 324: "membarrier", 332: "statx", 334: "rseq", 425: "io_uring_setup",
     426: "io_uring_enter", 434: "pidfd_open", 435: "clone3", 436: "close_range",
     437: "openat2", 439: "faccessat2", 441: "epoll_pwait2",
+    # Linux >= 6.11: the uretprobe trampoline's syscall (the fast path for return probes, e.g.
+    # the observer's uretprobes); the uretprobe handlers (BPF) run inside it, and its sys_exit
+    # prints "NR -1" (like rt_sigreturn's: both rewrite the registers)
+    335: "uretprobe",
 }
 NR_IOCTL = 16
 
 
 def sysname(nr):
     """The traces come from the x86-64 GPU machine, wherever this runs."""
+    if nr == -1:
+        return "NR -1 (exit of uretprobe/rt_sigreturn)"
     return SYSCALLS_X86_64.get(nr, f"NR {nr}")
 
 # ---------------------------------------------------------------------------- trace parsing
@@ -164,12 +187,18 @@ def is_vector(name):
 
 
 class Ev:
-    __slots__ = ("ts", "cpu", "pid", "tgid", "comm", "name", "body", "src", "ns", "f")
+    __slots__ = ("ts", "cpu", "pid", "tgid", "comm", "name", "body", "src", "ns", "f", "flags")
 
-    def __init__(self, ts, cpu, pid, tgid, comm, name, body, src, ns):
+    def __init__(self, ts, cpu, pid, tgid, comm, name, body, src, ns, flags=None):
         self.ts, self.cpu, self.pid, self.tgid, self.comm = ts, cpu, pid, tgid, comm
         self.name, self.body, self.src, self.ns = name, body, src, ns
+        self.flags = flags
         self.f = None
+
+    def ctx(self):
+        """The context ftrace's flags give ('.' task, 's' softirq, 'h'/'H' hard IRQ, 'z'/'Z' NMI), or None."""
+        fl = self.flags
+        return fl[2] if fl and len(fl) >= 4 else None
 
     def fields(self):
         """Parsed body (a dict, cached); {} when it does not parse."""
@@ -318,6 +347,13 @@ class Ranges:
             return self.r[i][0]
         return None
 
+    def end_of(self, ts):
+        """The end of the range holding ts, or None."""
+        i = bisect.bisect_right(self.starts, ts) - 1
+        if i >= 0 and ts <= self.r[i][1]:
+            return self.r[i][1]
+        return None
+
 
 def read_trace(text_path, raw_path, src, keep=None):
     """Parse a text trace; with `keep` (Ranges), only entries inside it (and ALWAYS types).
@@ -389,7 +425,7 @@ def read_trace(text_path, raw_path, src, keep=None):
             tg = m.group("tgid")
             tgid = int(tg) if tg and tg.isdigit() else None
             evs.append(Ev(ts, cpu, pid, tgid, m.group("comm").strip(), m.group("name"), m.group("body"), src,
-                          precise))
+                          precise, m.group("flags")))
     tf.lost.extend((c, n, None) for c, n in pending_lost)
     tf.first_ts, tf.last_ts = first, last
     return tf
@@ -435,11 +471,24 @@ def read_kv(path):
 
 
 class Interval:
-    __slots__ = ("start", "end", "cpu", "start_known", "end_known", "out_state", "out_next", "in_prev")
+    """A stretch of a thread on one CPU; start_how / end_how say how its ends are known."""
+    __slots__ = ("start", "end", "cpu", "start_known", "end_known", "out_state", "out_next", "in_prev",
+                 "start_how", "end_how")
 
     def __init__(self, start, cpu, start_known, in_prev):
         self.start, self.cpu, self.start_known, self.in_prev = start, cpu, start_known, in_prev
         self.end, self.end_known, self.out_state, self.out_next = None, False, None, None
+        self.start_how = self.end_how = None
+
+
+# interrupt nesting levels: an entry closes the open handlers of its level and above (their exits
+# are not in the trace); hard IRQs and vectors do not nest, a softirq does not run inside a hard IRQ
+IRQ_LEVEL = {"softirq": 1, "tasklet": 2, "hardirq": 3, "vector": 3, "nmi": 4}
+# how long after its sched_switch the switched-out task's events are still taken for the switch's
+SWITCH_PATH_NS = 50_000
+# the entry stamps of these JSONL lines are the observer's uprobes at a CUDA call's entry (an int3
+# trap from user code): the thread was in user mode just before
+UPROBE_ENTRY_TYPES = ("launch", "memcpy", "memset", "sync")
 
 
 class Segment:
@@ -479,6 +528,17 @@ class Run:
                         continue
                     if isinstance(o, dict):
                         self.lines.append(o)
+        # tid -> sorted uprobe stamps at CUDA calls' entries: proofs that the thread was in user mode
+        um = defaultdict(set)
+        for o in self.lines:
+            tid = o.get("tid")
+            if not isinstance(tid, int):
+                continue
+            t = o.get("ts_ns") if o.get("type") in UPROBE_ENTRY_TYPES else \
+                o.get("launch_ts_ns") if o.get("type") == "gpu_kernel" else None
+            if isinstance(t, int):
+                um[tid].add(t)
+        self.umode = {t: sorted(v) for t, v in um.items()}
         self.proc_threads = defaultdict(set)   # tid -> comms from /proc sampling
         tp = os.path.join(d, "threads.txt")
         if os.path.exists(tp):
@@ -501,7 +561,7 @@ class Run:
     def drop_traces(self):
         """Free the parsed traces (the results keep what they need)."""
         for k in ("events", "all_ts", "by_cpu", "by_tid", "about_tid", "cpu_ts", "tid_ts", "about_ts", "switches",
-                  "iv", "iv_start", "segs", "seg_start", "sys", "faults", "kp"):
+                  "iv", "iv_start", "segs", "seg_start", "sys", "faults", "kp", "all_by_cpu", "all_cpu_ts"):
             setattr(self, k, None)
         self.cpu.events = []
         self.task.events = []
@@ -528,6 +588,7 @@ class Run:
 
     def _index(self):
         self.by_cpu = defaultdict(list)      # cpu -> events seen on that CPU (global instance)
+        self.all_by_cpu = defaultdict(list)  # cpu -> events of both instances on that CPU
         self.by_tid = defaultdict(list)      # tid -> events in that thread's context
         self.about_tid = defaultdict(list)   # tid -> wakeups/migrations/switches of it
         self.cpu_first = {}
@@ -541,6 +602,7 @@ class Run:
                 self.cpu_first[e.cpu] = e.ts
             if e.src == "cpu" or not cpu_src_present:
                 self.by_cpu[e.cpu].append(e)
+            self.all_by_cpu[e.cpu].append(e)
             if e.pid:
                 self.by_tid[e.pid].append(e)
                 if e.comm and e.comm != "<...>":
@@ -582,54 +644,142 @@ class Run:
             for c in names:
                 self.comms[tid][c] += 1
         self.cpu_ts = {c: [e.ts for e in l] for c, l in self.by_cpu.items()}
+        self.all_cpu_ts = {c: [e.ts for e in l] for c, l in self.all_by_cpu.items()}
         self.tid_ts = {t: [e.ts for e in l] for t, l in self.by_tid.items()}
         self.about_ts = {t: [e.ts for e in l] for t, l in self.about_tid.items()}
+        self.unterminated = Counter()
         self._intervals()
         self._irq_segments()
         self._per_thread()
 
     def _intervals(self):
-        """Per-thread on-CPU intervals from the global sched_switch stream."""
+        """Per-thread on-CPU intervals: from the sched_switch stream, and from whose context each
+        trace entry on a CPU was recorded in (both instances).
+
+        Every entry is recorded in the context of the task current on its CPU, so an event of the
+        thread itself proves it was running there, and an event of another context (another task,
+        the idle task) proves it was not.  A switch-in missing from the trace (lost events, the start
+        of a kept range, kernels that do not record some idle -> task switches: seen on a 6.18 VM)
+        is inferred at the CPU's last event in another context before the thread's first own event
+        (the earliest it can have been switched in); a missing switch-out at the CPU's first event
+        in another context (the latest it can have ended).  Both are flagged (start_how / end_how),
+        and off-CPU time is never claimed past an event of the thread itself.  Nothing is carried
+        over a hole between kept trace ranges."""
         self.iv = defaultdict(list)
         self.inferred_switch_ins = 0
-        cur = {}     # cpu -> (tid, Interval) of the non-idle task on it
-        last_out = {}  # tid -> its last switch-out
-        for e in self.switches:
-            f = e.fields()
-            c = e.cpu
-            prev, nxt = f["prev_pid"], f["next_pid"]
-            if prev:
-                held = cur.get(c)
-                if held is not None and held[0] == prev:
-                    iv = held[1]
-                else:
-                    # No switch-in seen: running since before this CPU's first retained event, or
-                    # the switch-in was lost (some kernels do not record idle -> task switches).
-                    # It ran at least since the CPU's last event in another context (typically
-                    # the wakeup from idle) and since its own previous switch-out.
-                    iv = Interval(self._inferred_start(c, prev, e.ts, last_out.get(prev)), c, False, None)
-                    self.iv[prev].append(iv)
-                    self.inferred_switch_ins += 1
-                last_out[prev] = e.ts
-                iv.end, iv.end_known = e.ts, True
-                iv.out_state = f["prev_state"]
-                iv.out_next = (f["next_comm"], nxt)
-            cur.pop(c, None)
-            if nxt:
-                iv = Interval(e.ts, c, True, (f["prev_comm"], prev, f["prev_state"]))
-                self.iv[nxt].append(iv)
-                cur[c] = (nxt, iv)
+        self.inferred_switch_outs = 0
+        cur = {}        # cpu -> (tid, Interval) of the non-idle task running there
+        where = {}      # tid -> the cpu where it has an open interval
+        last_out = {}   # tid -> its last switch-out (seen or inferred)
+        last_own = {}   # (tid, cpu) -> its last own event there
+        # cpu -> (ts, prev_pid) of its last sched_switch, while no other context's event followed it:
+        # the switched-out task's events then (tlb_flush "flush on task switch", or stamped to the
+        # us with the switch) belong to the switch itself, not to a new stretch on the CPU
+        last_sw = {}
+        ranges = self.keep.r if self.keep is not None else None
+        ri = 0
+
+        def close(c, ts, how, count=True):
+            held = cur.pop(c, None)
+            if held is None:
+                return
+            tid, iv = held
+            iv.end, iv.end_known, iv.end_how = max(ts, iv.start), False, how
+            if where.get(tid) == c:
+                del where[tid]
+            last_out[tid] = iv.end
+            if count:
+                self.inferred_switch_outs += 1
+
+        def infer_in(c, tid, ts, how):
+            start = self._inferred_start(c, tid, ts, last_out.get(tid))
+            c2 = where.get(tid)
+            if c2 is not None and c2 != c:
+                # still open on another CPU: it left that one before it came here
+                close(c2, min(ts, max(start, last_own.get((tid, c2), start))),
+                      "inferred: seen on another CPU (switch-out not in the trace)")
+                start = max(start, last_out[tid])
+            iv = Interval(start, c, False, None)
+            iv.start_how = how
+            self.iv[tid].append(iv)
+            self.inferred_switch_ins += 1
+            cur[c] = (tid, iv)
+            where[tid] = c
+            return iv
+
+        for e in self.events:
+            c, p = e.cpu, e.pid
+            if ranges is not None:
+                moved = False
+                while ri < len(ranges) and e.ts > ranges[ri][1]:
+                    ri += 1
+                    moved = True
+                if moved and ri > 0:
+                    # a hole in the kept trace: nothing is known across it
+                    for c0 in list(cur):
+                        close(c0, ranges[ri - 1][1], "end of a kept trace range", False)
+                    last_sw.clear()
+            held = cur.get(c)
+            sw = last_sw.get(c)
+            if sw is not None and p != sw[1]:
+                del last_sw[c]
+                sw = None
+            f = e.fields() if e.name == "sched_switch" else None
+            if f:
+                prev, nxt = f["prev_pid"], f["next_pid"]
+                if prev:
+                    if held is not None and held[0] == prev:
+                        iv = held[1]
+                    else:
+                        if held is not None:
+                            close(c, e.ts, "inferred: another task was switched out (switch-out not in the trace)")
+                        iv = infer_in(c, prev, e.ts, "inferred: switched out, switch-in not in the trace")
+                    iv.end, iv.end_known, iv.end_how = e.ts, True, "sched_switch"
+                    iv.out_state = f["prev_state"]
+                    iv.out_next = (f["next_comm"], nxt)
+                    last_out[prev] = e.ts
+                    last_own[(prev, c)] = e.ts
+                    cur.pop(c, None)
+                    if where.get(prev) == c:
+                        del where[prev]
+                elif held is not None:
+                    close(c, e.ts, "inferred: the idle task ran (switch-out not in the trace)")
+                if nxt:
+                    c2 = where.get(nxt)
+                    if c2 is not None and c2 != c:
+                        close(c2, max(cur[c2][1].start, min(e.ts, last_own.get((nxt, c2), e.ts))),
+                              "inferred: switched in on another CPU (switch-out not in the trace)")
+                    iv = Interval(e.ts, c, True, (f["prev_comm"], prev, f["prev_state"]))
+                    iv.start_how = "sched_switch"
+                    self.iv[nxt].append(iv)
+                    cur[c] = (nxt, iv)
+                    where[nxt] = c
+                last_sw[c] = (e.ts, prev)
+                continue
+            if held is not None and held[0] == p:
+                last_own[(p, c)] = e.ts
+                continue
+            if sw is not None and e.ts - sw[0] <= SWITCH_PATH_NS:
+                continue  # the switched-out task's event in the switch path (see last_sw)
+            if p == 0:
+                if held is not None:
+                    close(c, e.ts, "inferred: the idle task ran (switch-out not in the trace)")
+                continue
+            if held is not None:
+                close(c, e.ts, "inferred: another task ran (switch-out not in the trace)")
+            infer_in(c, p, e.ts, "inferred: own event (switch-in not in the trace)")
+            last_own[(p, c)] = e.ts
         for c, (tid, iv) in cur.items():
-            if iv.end is None:
-                iv.end = self.last_ts
+            iv.end, iv.end_how = max(iv.start, self.last_ts), "end of the trace"
         for tid, l in self.iv.items():
             l.sort(key=lambda i: i.start)
         self.iv_start = {t: [i.start for i in l] for t, l in self.iv.items()}
 
-    def _inferred_start(self, cpu, tid, t_out, prev_out):
-        """Earliest time tid can have been switched in on cpu before t_out (no switch-in seen)."""
-        lst, tss = self.by_cpu.get(cpu, []), self.cpu_ts.get(cpu, [])
-        i = bisect.bisect_left(tss, t_out) - 1
+    def _inferred_start(self, cpu, tid, t, prev_out):
+        """Earliest time tid can have been switched in on cpu before t (no switch-in seen): after the
+        CPU's last event in another context, its own previous switch-out and the kept range's start."""
+        lst, tss = self.all_by_cpu.get(cpu, []), self.all_cpu_ts.get(cpu, [])
+        i = bisect.bisect_left(tss, t) - 1
         start = None
         while i >= 0:
             e = lst[i]
@@ -638,25 +788,46 @@ class Run:
                 break
             i -= 1
         if start is None:
-            start = self.cpu_first.get(cpu, t_out)
+            start = self.cpu_first.get(cpu, t)
         if prev_out is not None and prev_out > start:
             start = prev_out
         if self.keep is not None:
-            rs = self.keep.start_of(t_out)
+            rs = self.keep.start_of(t)
             if rs is not None and rs > start:
                 start = rs  # nothing is known before the kept range
-        return start
+        return min(start, t)
 
     def _irq_segments(self):
-        """Exclusive interrupt-context segments per CPU (a nested handler's time is its own)."""
+        """Exclusive interrupt-context segments per CPU (a nested handler's time is its own).
+
+        A handler whose exit is not in the trace is closed where the CPU is proven out of it, and
+        labelled "(unterminated)": a sched_switch; a syscall or user page fault of the task on the
+        CPU; an event whose ftrace flags show task context ('.'; 's' = softirq ends hard-IRQ
+        handlers only); a new entry of the same level (hard IRQs and vectors do not nest, softirqs
+        do not nest, a softirq does not run inside a hard IRQ); the exit of an outer handler."""
         self.segs = defaultdict(list)
-        for c, evs in self.by_cpu.items():
-            stack = []  # [kind, label, key, since]
+        for c, evs in self.all_by_cpu.items():
+            stack = []  # [kind, label, key, since, entry stamp in ns (not us)]
             out = self.segs[c]
 
-            def close_top(ts):
-                if stack and ts > stack[-1][3]:
-                    out.append(Segment(stack[-1][3], ts, stack[-1][0], stack[-1][1]))
+            def emit(top, ts, flag=""):
+                if flag:
+                    self.unterminated["irq"] += 1
+                if ts > top[3]:
+                    out.append(Segment(top[3], ts, top[0], top[1] + flag))
+
+            def unwind(ts, level, e=None):
+                """Close, unterminated, every open handler of this level or above (for a proof event e:
+                not one stamped, to the us, with the handler's entry: it may have come before it)."""
+                closed = False
+                while stack and IRQ_LEVEL[stack[-1][0]] >= level:
+                    top = stack[-1]
+                    if e is not None and not (e.ns and top[4]) and e.ts - top[3] <= 1000:
+                        break
+                    emit(stack.pop(), ts, " (unterminated)")
+                    closed = True
+                if closed and stack:
+                    stack[-1][3] = ts
 
             for e in evs:
                 n = e.name
@@ -677,7 +848,7 @@ class Run:
                     entry = n.endswith("entry")
                 elif n == "tasklet_entry" or n == "tasklet_exit":
                     f = e.fields()
-                    kind, key, label = "softirq", ("tasklet",), f"tasklet {f.get('func', '?')}"
+                    kind, key, label = "tasklet", ("tasklet",), f"tasklet {f.get('func', '?')}"
                     entry = n.endswith("entry")
                 elif n == "nmi_handler":
                     f = e.fields()
@@ -690,10 +861,21 @@ class Run:
                     kind, key, label = "vector", ("vec", base), f"vector {base}"
                     entry = n.endswith("_entry")
                 else:
+                    if stack:
+                        if n in ("sched_switch", "sys_enter", "sys_exit", "page_fault_user"):
+                            unwind(e.ts, 0, e)
+                        else:
+                            cx = e.ctx()
+                            if cx == ".":
+                                unwind(e.ts, 0, e)
+                            elif cx == "s":
+                                unwind(e.ts, IRQ_LEVEL["hardirq"], e)
                     continue
                 if entry:
-                    close_top(e.ts)
-                    stack.append([kind, label, key, e.ts])
+                    unwind(e.ts, IRQ_LEVEL[kind])
+                    if stack:
+                        emit(stack[-1], e.ts)
+                    stack.append([kind, label, key, e.ts, e.ns])
                 else:
                     idx = None
                     for i in range(len(stack) - 1, -1, -1):
@@ -703,64 +885,118 @@ class Run:
                     if idx is None:
                         continue  # entered before the trace began
                     # anything above it never saw its exit: close it here too
-                    while len(stack) > idx:
-                        close_top(e.ts)
-                        stack.pop()
-                        if stack:
-                            stack[-1][3] = e.ts
+                    while len(stack) > idx + 1:
+                        emit(stack.pop(), e.ts, " (unterminated)")
+                    emit(stack.pop(), e.ts)
+                    if stack:
+                        stack[-1][3] = e.ts
             out.sort(key=lambda s: s.start)
         self.seg_start = {c: [s.start for s in l] for c, l in self.segs.items()}
 
     def _per_thread(self):
-        """Syscall intervals, faults and kprobe intervals per thread."""
-        self.sys = defaultdict(list)      # tid -> [start, end, nr, args, ret]
+        """Syscall intervals, faults and kprobe intervals per thread.
+
+        A syscall ends at the thread's next sys_exit, whatever NR that prints (uretprobe's and
+        rt_sigreturn's exits print NR -1).  One with no exit before the thread's next sys_enter, or
+        before a proof that the thread was in user mode (a page_fault_user of it, or one of the
+        observer's uprobe stamps at a CUDA call's entry: launch_ts_ns, launch/memcpy/memset/sync
+        ts_ns), ends there and is flagged "unterminated"; a sys_exit with no sys_enter starts at
+        the thread's last such proof (or previous sys_exit), flagged "enter not in the trace".
+        The kprobe intervals (uprobe / fault handling) are capped the same way."""
+        self.sys = defaultdict(list)      # tid -> [start, end, nr, args, ret, flag, exit_nr]
         self.faults = defaultdict(list)   # tid -> (ts, kind, address, ip, error_code)
-        self.kp = defaultdict(list)       # tid -> [start, end, kind, info]
+        self.kp = defaultdict(list)       # tid -> [start, end, kind, info, flag]
         self.kprobes_seen = Counter()
-        for tid, evs in self.by_tid.items():
+        for tid in set(self.by_tid) | set(self.umode):
+            evs = self.by_tid.get(tid, [])
+            proofs = self.umode.get(tid, [])
+            pi = 0
             open_sys = None
             open_kp = {}
-            for e in evs:
+            last_user = None   # the last time the thread is known to have been in user mode
+            sysl, kpl = self.sys[tid], self.kp[tid]
+
+            def end_sys(ts, flag):
+                nonlocal open_sys
+                open_sys[1], open_sys[5] = max(ts, open_sys[0]), flag
+                sysl.append(open_sys)
+                self.unterminated["syscall"] += 1
+                open_sys = None
+
+            def end_kp(kinds, ts, flag):
+                for k in [k for k, v in open_kp.items() if v[2] in kinds]:
+                    iv = open_kp.pop(k)
+                    iv[1], iv[4] = max(ts, iv[0]), flag
+                    kpl.append(iv)
+                    self.unterminated["kprobe"] += 1
+
+            for e in evs + [None]:
+                t_e = e.ts if e is not None else None
+                while pi < len(proofs) and (t_e is None or proofs[pi] <= t_e):
+                    p = proofs[pi]
+                    pi += 1
+                    if open_sys is not None and open_sys[0] < p:
+                        end_sys(p, "unterminated: the thread was in user mode (uprobe stamp)")
+                    end_kp(("fault",), p, "unterminated: the thread was in user mode (uprobe stamp)")
+                    last_user = p
+                if e is None:
+                    break
                 n = e.name
                 if n == "sys_enter":
                     f = e.fields()
                     if not f:
                         continue
                     if open_sys is not None:
-                        self.sys[tid].append(open_sys)
-                    open_sys = [e.ts, None, f["nr"], f["args"], None]
+                        end_sys(e.ts, "unterminated: next sys_enter")
+                    end_kp(("fault", "uprobe"), e.ts, "unterminated: sys_enter")
+                    open_sys = [e.ts, None, f["nr"], f["args"], None, None, None]
                 elif n == "sys_exit":
                     f = e.fields()
                     if not f:
                         continue
-                    if open_sys is not None and open_sys[2] == f["nr"]:
-                        open_sys[1], open_sys[4] = e.ts, f["ret"]
-                        self.sys[tid].append(open_sys)
+                    end_kp(("uprobe",), e.ts, "unterminated: sys_exit")
+                    if open_sys is not None:
+                        open_sys[1], open_sys[4], open_sys[6] = e.ts, f["ret"], f["nr"]
+                        sysl.append(open_sys)
                         open_sys = None
                     else:
-                        if open_sys is not None:
-                            self.sys[tid].append(open_sys)
-                            open_sys = None
-                        self.sys[tid].append([None, e.ts, f["nr"], "", f["ret"]])
+                        st = last_user
+                        if self.keep is not None:
+                            rs = self.keep.start_of(e.ts)
+                            if rs is not None and (st is None or rs > st):
+                                st = rs
+                        sysl.append([st, e.ts, f["nr"], "", f["ret"], "enter not in the trace", f["nr"]])
+                    last_user = e.ts
                 elif n in ("page_fault_user", "page_fault_kernel"):
                     f = e.fields()
                     self.faults[tid].append((e.ts, "user" if n.endswith("user") else "kernel",
                                              f.get("address"), f.get("ip"), f.get("error_code")))
+                    if n == "page_fault_user":
+                        if open_sys is not None:
+                            end_sys(e.ts, "unterminated: the thread was in user mode (page_fault_user)")
+                        end_kp(("fault", "uprobe"), e.ts, "unterminated: page_fault_user")
+                        last_user = e.ts
                 elif n.startswith("gpuobs_"):
                     self.kprobes_seen[n] += 1
                     if n in ("gpuobs_unr", "gpuobs_hmf"):
                         info = e.fields().get("address") if n == "gpuobs_hmf" else None
-                        open_kp[n] = [e.ts, None, "uprobe" if n == "gpuobs_unr" else "fault", info]
+                        if n in open_kp:
+                            end_kp((open_kp[n][2],), e.ts, "unterminated: next entry")
+                        open_kp[n] = [e.ts, None, "uprobe" if n == "gpuobs_unr" else "fault", info, None]
                     elif n in ("gpuobs_unr_ret", "gpuobs_hmf_ret"):
                         k = n[:-4]
                         if k in open_kp:
                             iv = open_kp.pop(k)
                             iv[1] = e.ts
-                            self.kp[tid].append(iv)
+                            kpl.append(iv)
             if open_sys is not None:
-                self.sys[tid].append(open_sys)
+                rend = self.keep.end_of(open_sys[0]) if self.keep is not None else None
+                end_sys(rend if rend is not None else self.last_ts, "unterminated: no exit in the trace")
         for d in (self.sys, self.kp):
-            for tid, l in d.items():
+            for tid, l in list(d.items()):
+                if not l:
+                    del d[tid]
+                    continue
                 l.sort(key=lambda x: x[0] if x[0] is not None else x[1])
 
     # -- queries
@@ -798,7 +1034,7 @@ class Run:
         if l:
             i = bisect.bisect_right(self.iv_start[tid], t) - 1
             if i >= 0:
-                return l[i].cpu, "sched_switch"
+                return l[i].cpu, "sched_switch" if l[i].start_known else "its own events (switch-in inferred)"
             return l[0].cpu, "sched_switch (next)"
         ts = self.tid_ts.get(tid)
         if ts:
@@ -886,13 +1122,11 @@ def account(run, tid, a, b):
             prev_iv = l[i0]
         for s, e, c, iv in on:
             if s > cur:
-                st = prev_iv.out_state if prev_iv is not None else None
-                labeled.append((cur, s, "offcpu", f"off-CPU {state_name(st)}"))
+                labeled.append((cur, s, "offcpu", offcpu_label(prev_iv)))
             cur = max(cur, e)
             prev_iv = iv
         if cur < hi:
-            st = prev_iv.out_state if prev_iv is not None else None
-            labeled.append((cur, hi, "offcpu", f"off-CPU {state_name(st)}"))
+            labeled.append((cur, hi, "offcpu", offcpu_label(prev_iv)))
     # interrupts on the CPU while the thread was on it
     for s, e, c, iv in on:
         for s2, e2, seg in run.segs_in(c, s, e):
@@ -903,22 +1137,24 @@ def account(run, tid, a, b):
         if c is not None:
             for s2, e2, seg in run.segs_in(c, a, b):
                 labeled.append((s2, e2, "irq", seg.label))
-    for s, e, kind, info in run.kp.get(tid, ()):
+    for s, e, kind, info, flag in run.kp.get(tid, ()):
         if s is None or e is None:
             continue
         if s >= b:
             break
         cl = clip(a, b, s, e)
         if cl:
-            labeled.append((cl[0], cl[1], kind, "page fault (handle_mm_fault)" if kind == "fault" else "uprobe handling"))
-    for s, e, nr, args, ret in run.sys.get(tid, ()):
+            lbl = "page fault (handle_mm_fault)" if kind == "fault" else "uprobe handling"
+            labeled.append((cl[0], cl[1], kind, lbl + (" (unterminated)" if flag else "")))
+    for s, e, nr, args, ret, flag, exit_nr in run.sys.get(tid, ()):
+        # every syscall has an end: its sys_exit, or where the thread is proven out of it
         s2 = s if s is not None else a
-        e2 = e if e is not None else b
+        e2 = e if e is not None else s2
         if s2 >= b:
             break
         cl = clip(a, b, s2, e2)
         if cl:
-            labeled.append((cl[0], cl[1], "syscall", f"syscall {sysname(nr)}"))
+            labeled.append((cl[0], cl[1], "syscall", syscall_label(nr, flag)))
     # sweep: each elementary piece goes to the highest-priority label covering it
     pts = sorted({a, b} | {x for s, e, _, _ in labeled for x in (s, e) if a <= x <= b})
     for p, q in zip(pts, pts[1:]):
@@ -935,6 +1171,22 @@ def account(run, tid, a, b):
             totals[best[0]] += q - p
             details[best[1]] += q - p
     return totals, details, labeled, {"coverage": coverage}
+
+
+def offcpu_label(prev_iv):
+    """The label of an off-CPU stretch after the interval prev_iv."""
+    if prev_iv is not None and not prev_iv.end_known:
+        return "off-CPU (switch-out not in the trace: another context ran on its CPU)"
+    return f"off-CPU {state_name(prev_iv.out_state if prev_iv is not None else None)}"
+
+
+def syscall_label(nr, flag):
+    lbl = f"syscall {sysname(nr)}"
+    if flag and flag.startswith("unterminated"):
+        lbl += " (unterminated)"
+    elif flag:
+        lbl += f" ({flag})"
+    return lbl
 
 
 def prev_call(run_lines_by_tid, tid, t0):
@@ -982,10 +1234,12 @@ def analyze_launch(run, g, args, lines_by_tid, proc_tids, obs_tids, full):
     faults_gap = [f for f in faults if a_gap <= f[0] <= b_gap]
     sysc = [s for s in run.sys.get(tid, ())
             if (s[0] if s[0] is not None else s[1]) <= wb and (s[1] if s[1] is not None else wb) >= wa]
+    before = [s for s in run.sys.get(tid, ()) if s[1] is not None and s[1] <= t0 and s not in sysc]
     offs = off_cpu_periods(run, tid, a_gap, b_gap, t0)
     since = None
     for s_, e_, c_, iv in run.on_cpu(tid, t0, t0 + 1):
         since = {"cpu": iv.cpu, "since_rel_ns": iv.start - t0, "switch_in_seen": iv.start_known,
+                 "start_how": iv.start_how,
                  "after": iv.in_prev[0] + "-" + str(iv.in_prev[1]) if iv.in_prev else None}
     rec = {
         "run": run.name, "pid": g.get("pid"), "tid": tid, "comm": run.comm(tid) if tid else None,
@@ -1001,7 +1255,13 @@ def analyze_launch(run, g, args, lines_by_tid, proc_tids, obs_tids, full):
                    for f in faults],
         "syscalls": [{"start_rel_ns": (s[0] - t0) if s[0] is not None else None,
                       "end_rel_ns": (s[1] - t0) if s[1] is not None else None,
-                      "name": sysname(s[2]), "args": s[3], "ret": s[4]} for s in sysc],
+                      "name": sysname(s[2]), "args": s[3], "ret": s[4], "flag": s[5],
+                      "exit": sysname(s[6]) if s[6] is not None else None} for s in sysc],
+        "syscall_before": ({"start_rel_ns": (before[-1][0] - t0) if before[-1][0] is not None else None,
+                            "end_rel_ns": before[-1][1] - t0, "name": sysname(before[-1][2]),
+                            "args": before[-1][3], "ret": before[-1][4], "flag": before[-1][5],
+                            "exit": sysname(before[-1][6]) if before[-1][6] is not None else None}
+                           if before else None),
         "offcpu": offs,
         "on_cpu_at_launch": since,
         "prev_call": prev_call(lines_by_tid, tid, t0),
@@ -1037,6 +1297,8 @@ def off_cpu_periods(run, tid, a, b, t0):
                     "state": l[j].out_state, "what": state_name(l[j].out_state),
                     "from_cpu": l[j].cpu, "ran_instead": "%s-%s" % l[j].out_next if l[j].out_next else None,
                     "back_on_cpu": l[j + 1].cpu, "switch_in_seen": l[j + 1].start_known,
+                    "switch_out_seen": l[j].end_known, "switch_out_how": l[j].end_how,
+                    "switch_in_how": l[j + 1].start_how,
                     "woken_by": [{"by": f"{x.comm}-{x.pid}", "cpu": x.cpu, "rel_ns": x.ts - t0} for x in wk]})
     return out
 
@@ -1182,6 +1444,8 @@ def clock_checks(run, pid):
         tid, ts = o.get("tid"), o.get("ts_ns")
         if not isinstance(ts, int):
             continue
+        if run.keep is not None and run.keep.start_of(ts) is None:
+            continue  # not in the kept trace
         if tid not in enters:
             enters[tid] = sorted(x[0] for x in run.sys.get(tid, ()) if x[2] == NR_IOCTL and x[0] is not None)
         l = enters[tid]
@@ -1285,6 +1549,8 @@ def analyze(args):
             "trace_cpu_present": run.cpu.present, "trace_task_present": run.task.present,
             "ns_precision_share": run.ns_share,
             "inferred_switch_ins": run.inferred_switch_ins,
+            "inferred_switch_outs": run.inferred_switch_outs,
+            "unterminated": dict(run.unterminated),
             "sched_switches": len(run.switches),
             "unparsed_lines": run.cpu.unparsed + run.task.unparsed,
             "lost": [{"instance": tf.src, "cpu": c, "count": n, "before_ts_ns": ts}
@@ -1425,22 +1691,32 @@ def render_md(res):
                      f"{r['trace_cpu_entries']} / {r['trace_task_entries']} ({r['trace_cpu_events']} / "
                      f"{r['trace_task_events']})",
                      f"{(r['ns_precision_share'] or 0) * 100:.1f} %",
-                     f"{r['sched_switches']} ({r['inferred_switch_ins']})", f"{lost} / {ovr}",
+                     f"{r['sched_switches']} ({r['inferred_switch_ins']} / {r.get('inferred_switch_outs', 0)})",
+                     ", ".join(f"{k} {v}" for k, v in sorted((r.get("unterminated") or {}).items())) or "-",
+                     f"{lost} / {ovr}",
                      (f"{fmt_us(mk['min_ns'], 2)}..{fmt_us(mk['max_ns'], 2)}" if mk else "-"),
                      (f"median {fmt_us(io['median_ns'], 2)}, {io['within_2us']}/{io['n']} ≤ 2 µs" if io else "-"),
                      ({"1": "on: ", "0": "off: "}.get(r["meta"].get("kprobes_enabled"), "")
                       + (", ".join(f"{k} {v}" for k, v in r["kprobes_seen"].items()) or "none"))])
     L.append(md_table(["run", "pid", "gpu_kernel", "outliers", "< -thr", "normal gap median us",
-                       "trace entries cpu / task (kept)", "ns stamps", "sched_switch (switch-ins inferred)",
-                       "lost / overrun", "clock marker offset us",
+                       "trace entries cpu / task (kept)", "ns stamps", "sched_switch (switch-ins / -outs inferred)",
+                       "unterminated (capped)", "lost / overrun", "clock marker offset us",
                        "ioctl vs sys_enter us", "kprobes"], rows))
     L.append("")
     L.append("The marker offset is trace stamp − clock_gettime(CLOCK_MONOTONIC) taken just before the write "
              "(a few µs when both are CLOCK_MONOTONIC); the ioctl row compares the observer's ioctl "
              "stamps with the trace's sys_enter of the same thread. Without ns stamps, trace times are "
-             "±0.5 µs. A switch-in is inferred (from the CPU's last event in another context, usually "
-             "the wakeup) where a thread is switched out without having been seen switched in: lost "
-             "events, or kernels that do not record some idle → task switches. Only the trace entries "
+             "±0.5 µs. Every trace entry is recorded in the context of the task current on its CPU: a "
+             "thread's own event proves it was on that CPU, another context's event that it was not. A "
+             "switch-in missing from the trace (lost events, kernels that do not record some idle → task "
+             "switches) is inferred at the CPU's last event in another context before the thread's own "
+             "event (usually the wakeup); a missing switch-out at the CPU's first event in another "
+             "context. Unterminated: syscalls with no sys_exit before the thread's next sys_enter or a "
+             "proof it was in user mode (a user page fault, one of the observer's uprobe stamps at a CUDA "
+             "call's entry), IRQ handlers with no exit before the CPU is proven out of them, kprobe "
+             "entries with no return: each ends at that proof (flagged \"unterminated\"), never "
+             "later. A sys_exit matches the thread's last sys_enter whatever NR it prints (uretprobe's, "
+             "NR 335, and rt_sigreturn's print NR -1). Only the trace entries "
              "within --context-ms of the launches analysed are kept (and those of thread creation, "
              "renames and clock markers).")
     for r in res["runs"]:
@@ -1483,15 +1759,16 @@ def render_md(res):
         L.append(f"- previous call of the thread: {short_prev(r.get('prev_call'))}")
         oc = r.get("on_cpu_at_launch")
         if oc:
-            L.append(f"- at the launch it had been on CPU {oc['cpu']} for {fmt_us(-oc['since_rel_ns'], 1)} µs "
-                     f"(switched in after {oc['after'] or '?'}"
-                     + ("" if oc["switch_in_seen"] else ", switch-in not in the trace: inferred") + ")")
+            L.append(f"- at the launch it had been on CPU {oc['cpu']} for {fmt_us(-oc['since_rel_ns'], 1)} µs ("
+                     + (f"switched in after {oc['after'] or '?'}" if oc["switch_in_seen"]
+                        else f"at least: {oc.get('start_how') or 'switch-in inferred'}") + ")")
         for o in r.get("offcpu", []):
             wk = ", ".join(f"{w['by']} on CPU {w['cpu']} at {fmt_us(w['rel_ns'], 3)}" for w in o["woken_by"]) or "-"
             L.append(f"- off CPU {fmt_us(o['start_rel_ns'], 3)}..{fmt_us(o['end_rel_ns'], 3)} µs "
                      f"({fmt_us(o['in_gap_ns'], 3)} µs in the gap): {o['what']} (prev_state {o['state']}) on "
                      f"CPU {o['from_cpu']}, {o['ran_instead']} ran instead; woken by {wk}; back on CPU "
-                     f"{o['back_on_cpu']}" + ("" if o["switch_in_seen"] else " (switch-in inferred)"))
+                     f"{o['back_on_cpu']}" + ("" if o["switch_in_seen"] else f" ({o.get('switch_in_how') or 'switch-in inferred'})")
+                     + ("" if o.get("switch_out_seen", True) else f"; {o.get('switch_out_how')}"))
         L.append(f"- **verdict: {r['category']}** — {r['verdict']}")
         if r["lost_events"]:
             L.append(f"- lost events near this window: {r['lost_events']}")
@@ -1506,11 +1783,14 @@ def render_md(res):
             L.append("Page faults of the thread: " + "; ".join(
                 f"{fmt_us(f['rel_ns'], 3)} µs {f['kind']} addr {f['address']} ip {f['ip']} err {f['error_code']}"
                 for f in r["faults"][:20]))
-        if r["syscalls"]:
+        if r["syscalls"] or r.get("syscall_before"):
             L.append("")
             L.append("Syscalls of the thread: " + "; ".join(
-                f"{x['name']} {fmt_us(x['start_rel_ns'], 3)}..{fmt_us(x['end_rel_ns'], 3)} µs = {x['ret']}"
-                for x in r["syscalls"][:20]))
+                ("before the window: " if x is r.get("syscall_before") else "")
+                + f"{x['name']} {fmt_us(x['start_rel_ns'], 3)}..{fmt_us(x['end_rel_ns'], 3)} µs = {x['ret']}"
+                + (f" (exit prints {x['exit']})" if x.get("exit") and x["exit"] != x["name"] else "")
+                + (f" [{x['flag']}]" if x.get("flag") else "")
+                for x in ([r["syscall_before"]] if r.get("syscall_before") else []) + r["syscalls"][:20]))
         if r["others"]:
             L.append("")
             L.append("On a CPU during the gap (other threads of the process / the observer):")

@@ -6,7 +6,10 @@
 #     outliers whose causes are known (preemption, IRQ + nested softirq/timer, page faults with
 #     and without the handle_mm_fault kprobe, uprobe handling, a futex sleep, a migration,
 #     another thread busy on another CPU, an IRQ on another CPU, a switch-in missing from the
-#     trace) and normal controls:
+#     trace; states whose end is missing: an ioctl sys_enter with no exit 0.5 ms before the launch,
+#     a uretprobe NR 335 enter/exit printed "NR -1" before it, a local timer entry with no exit,
+#     a thread woken from idle whose switch-in is missing; and a real ioctl inside the gap) and
+#     normal controls:
 #     every verdict and every attributed time is checked.
 #  2. local tracefs (root, tracefs with instances; SKIP_TRACEFS=1 skips): gpu/trace_outliers.sh
 #     end to end with a fake observer and a fake workload whose "launch" windows contain a
@@ -176,6 +179,46 @@ sw(t0 + 1_000, 2, "cuda-ground-tru", T, "S", "swapper/2", 0)
 ev(cpu_ev, t0 + 6_000, 2, "<idle>", 0, None, "sched_wakeup", f"comm=cuda-ground-tru pid={T} prio=120 target_cpu=002", "dNh4.")
 tsk(t0 + 6_500, 2, "sys_exit", "NR 202 = 0")
 expect[116] = ("off-cpu", {"offcpu": 5_000, "syscall": 1_000, "unattributed": 1_000})
+# T stays on CPU 2 (from the inferred switch-in above) until the trace ends at 20 ms.
+# 117 an ioctl entered 0.5 ms before the launch whose sys_exit is not in the trace: the launch's
+# uprobe stamp proves the thread was back in user mode, so none of the gap is syscall time
+t0 = BASE + 17 * MS
+tsk(t0 - 500_000, 2, "sys_enter", "NR 16 (5, c0, 7ffd0000, 0, 0, 0)")
+gk(17, t0, 8_000, "unterminated_ioctl")
+expect[117] = ("user-mode", {"unattributed": 8_000})
+# 118 the uretprobe trampoline's syscall (NR 335) before the launch, its sys_exit printed as
+# "NR -1", then an instruction-fetch page fault in the gap (run1 corr 2 of the H100 trace)
+t0 = BASE + 17_500_000
+tsk(t0 - 12_000, 2, "sys_enter", "NR 335 (6, 114, 7ffd5b971550, 0, 28, 7ffd5b97122c)")
+tsk(t0 - 7_000, 2, "sys_exit", "NR -1 = 0")
+tsk(t0 + 3_000, 2, "page_fault_user", "address=0x7f2e31b5df00 ip=0x7f2e31b5df00 error_code=0x14")
+gk(18, t0, 11_800, "uretprobe_before")
+expect[118] = ("page-fault", {"unattributed": 11_800})
+# 119 a real syscall inside the gap: 6 us of ioctl
+t0 = BASE + 18 * MS
+tsk(t0 + 2_000, 2, "sys_enter", "NR 16 (5, c0, 7ffd0000, 0, 0, 0)")
+tsk(t0 + 8_000, 2, "sys_exit", "NR 16 = 0")
+gk(19, t0, 10_000, "ioctl_in_gap")
+expect[119] = ("syscall", {"syscall": 6_000, "unattributed": 4_000}, {"syscall ioctl": 6_000})
+# 120 a local timer entry 3 us before the launch whose exit is not in the trace; a user page
+# fault of T on CPU 2 at -1 us proves the CPU left it; a 0.5 us softirq in the gap (whose exit
+# the old analysis took for the timer's resumption)
+t0 = BASE + 18_500_000
+ev(cpu_ev, t0 - 3_000, 2, "cuda-ground-tru", T, PID, "local_timer_entry", "vector=236", "d.h1.")
+tsk(t0 - 1_000, 2, "page_fault_user", "address=0x7f0000003000 ip=0x7f1234567890 error_code=0x6")
+ev(cpu_ev, t0 + 4_000, 2, "cuda-ground-tru", T, PID, "softirq_entry", "vec=9 [action=RCU]", "..s1.")
+ev(cpu_ev, t0 + 4_500, 2, "cuda-ground-tru", T, PID, "softirq_exit", "vec=9 [action=RCU]", "..s1.")
+gk(20, t0, 8_000, "irq_no_exit")
+expect[120] = ("user-mode", {"irq": 500, "unattributed": 7_500}, {"softirq RCU": 500})
+# 121 the driver worker W (asleep since case 5) is woken by the idle task on CPU 3, its switch-in
+# is not in the trace, then it runs a uretprobe syscall and launches: its own events prove it is
+# on CPU 3 (not off-CPU since 5 ms)
+t0 = BASE + 19 * MS
+ev(cpu_ev, t0 - 100_000, 3, "<idle>", 0, None, "sched_wakeup", f"comm=cuda-EvtHandlr pid={W} prio=120 target_cpu=003", "dNh4.")
+tsk(t0 - 12_000, 3, "sys_enter", "NR 335 (6, 114, 7ffd5b971550, 0, 28, 7ffd5b97122c)", W, "cuda-EvtHandlr")
+tsk(t0 - 7_000, 3, "sys_exit", "NR -1 = 0", W, "cuda-EvtHandlr")
+gk(21, t0, 9_000, "no_switch_in_w", tid=W)
+expect[121] = ("user-mode", {"unattributed": 9_000})
 # an early one (CUPTI start before the uprobe stamp): counted, not analysed
 gk(15, BASE + 15 * MS, -6_000, "early")
 # the trace ends; one entry far from every launch (skipped with the default --context-ms 20)
@@ -253,11 +296,11 @@ for k, e in exp.items():
         errs.append(f"corr {k}: category {r['category']} != {cat} ({r['verdict']})")
     for c, v in times.items():
         got = r["gap_by_cause_ns"][c]
-        tol = 1000 if k in ("103", "104", "105", "106", "107", "116") else 10  # task-instance lines: us stamps
+        tol = 1000 if k in ("103", "104", "105", "106", "107", "116", "117", "118", "119", "121") else 10  # task-instance lines: us stamps
         if abs(got - v) > tol:
             errs.append(f"corr {k}: {c} {got} != {v} (+-{tol}) {r['gap_by_cause_ns']}")
     for c in r["gap_by_cause_ns"]:
-        if c not in times and r["gap_by_cause_ns"][c] > (1000 if k in ("104", "106", "107", "116") else 0):
+        if c not in times and r["gap_by_cause_ns"][c] > (1000 if k in ("104", "106", "107", "116", "119") else 0):
             errs.append(f"corr {k}: unexpected {c} {r['gap_by_cause_ns'][c]}")
     if len(e) > 2:
         for lbl, v in e[2].items():
@@ -299,6 +342,34 @@ if r:
 r = outl.get(108)
 if r and r["cpus"] != [2, 5]:
     errs.append(f"corr 108 cpus {r['cpus']}")
+r = outl.get(117)
+if r:
+    x = [s for s in r["syscalls"] if s["name"] == "ioctl"]
+    if len(x) != 1 or x[0]["start_rel_ns"] != -500_000 or x[0]["end_rel_ns"] != 0 or \
+            not (x[0]["flag"] or "").startswith("unterminated") or "uprobe stamp" not in x[0]["flag"]:
+        errs.append(f"corr 117: the unterminated ioctl {r['syscalls']}")
+r = outl.get(118)
+if r:
+    x = [s for s in r["syscalls"] + [r["syscall_before"] or {}] if s.get("name") == "uretprobe"]
+    if len(x) != 1 or x[0]["start_rel_ns"] != -12_000 or x[0]["end_rel_ns"] != -7_000 or x[0]["flag"] or \
+            not x[0]["exit"].startswith("NR -1") or x[0]["ret"] != 0:
+        errs.append(f"corr 118: the uretprobe syscall {r['syscalls']}")
+    if r["faults_in_gap"] != 1:
+        errs.append(f"corr 118 faults {r['faults_in_gap']}")
+r = outl.get(119)
+if r and "verdict: syscall" not in open(f"{d}/OUTLIERS.md").read():
+    errs.append("OUTLIERS.md lacks the syscall verdict")
+r = outl.get(120)
+if r and any("unterminated" in k for k in r["gap_detail_ns"]):
+    errs.append(f"corr 120: an unterminated handler counted in the gap {r['gap_detail_ns']}")
+r = outl.get(121)
+if r:
+    oc = r["on_cpu_at_launch"]
+    if not oc or oc["cpu"] != 3 or oc["since_rel_ns"] != -100_000 or oc["switch_in_seen"] or \
+            "own event" not in (oc.get("start_how") or ""):
+        errs.append(f"corr 121 on_cpu_at_launch {oc}")
+    if r["offcpu"]:
+        errs.append(f"corr 121 offcpu {r['offcpu']}")
 ctl = res["controls"]
 if len(ctl) < 6:
     errs.append(f"{len(ctl)} controls")
@@ -310,8 +381,13 @@ if res["summary"]["controls"]["with_any_cause_ge_1us"] != 0:
 run = res["runs"][0]
 if run["trace_cpu_entries"] != run["trace_cpu_events"] + 1 or run["trace_task_entries"] != run["trace_task_events"]:
     errs.append(f"kept entries {run['trace_cpu_entries']} {run['trace_cpu_events']}")
-if run["early"] != 1 or run["outliers"] != 9 or run["inferred_switch_ins"] != 1:
-    errs.append(f"run counts {run['outliers']} outliers, {run['early']} early")
+# inferred switch-ins: T woken from idle (116), W woken from idle (121), the marker writer on
+# CPU 0 and the migration thread on CPU 5 (each seen only by an event in its own context)
+if run["early"] != 1 or run["outliers"] != 14 or run["inferred_switch_ins"] != 4:
+    errs.append(f"run counts {run['outliers']} outliers, {run['early']} early, "
+                f"{run['inferred_switch_ins']} inferred switch-ins")
+if run["unterminated"].get("syscall", 0) < 1 or run["unterminated"].get("irq", 0) < 1:
+    errs.append(f"unterminated counts {run['unterminated']}")
 if not (0.2 < run["ns_precision_share"] < 1.0):
     errs.append(f"ns share {run['ns_precision_share']}")
 if [x["count"] for x in run["lost"]] != [17] or run["overruns"]["cpu"] != {"7": {"overrun": 17}} and \
@@ -329,7 +405,7 @@ for s in ("## Summary", "## Outliers", "## Controls", "verdict: off-cpu", "irq 1
     if s not in md:
         errs.append(f"OUTLIERS.md lacks {s!r}")
 ex = open(f"{d}/excerpts.txt").read()
-if ex.count("### run") != 9:
+if ex.count("### run") != 14:
     errs.append("excerpts")
 for e in errs:
     print("   ", e)
