@@ -333,7 +333,9 @@ impl GpuState {
             let found = q.and_then(|q| {
                 let i = q
                     .iter()
-                    .rposition(|r| std::ptr::eq(r.api, spec) && r.ts_ns <= rec.end_ns)?;
+                    // By name, not address: `APIS` is a const, so two references to one entry
+                    // can point at different copies (seen in a release build: every join lost).
+                    .rposition(|r| r.api.name == spec.name && r.ts_ns <= rec.end_ns)?;
                 q.remove(i)
             });
             (name, found)
