@@ -49,6 +49,17 @@ class ProcDetailList(C.Structure):
                 ("procArray", C.POINTER(ProcDetail))]
 
 
+class ProcUtilInfo(C.Structure):
+    _fields_ = [("timeStamp", C.c_ulonglong), ("pid", C.c_uint), ("smUtil", C.c_uint),
+                ("memUtil", C.c_uint), ("encUtil", C.c_uint), ("decUtil", C.c_uint),
+                ("jpgUtil", C.c_uint), ("ofaUtil", C.c_uint)]
+
+
+class ProcsUtilInfo(C.Structure):
+    _fields_ = [("version", C.c_uint), ("processSamplesCount", C.c_uint),
+                ("lastSeenTimeStamp", C.c_ulonglong), ("procUtilArray", C.POINTER(ProcUtilInfo))]
+
+
 class ProcUtilSample(C.Structure):
     _fields_ = [("pid", C.c_uint), ("timeStamp", C.c_ulonglong), ("smUtil", C.c_uint),
                 ("memUtil", C.c_uint), ("encUtil", C.c_uint), ("decUtil", C.c_uint)]
@@ -64,6 +75,9 @@ def main():
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--json")
     ap.add_argument("--lib")
+    ap.add_argument("--spaced-ms", type=float, default=0,
+                    help="sleep this long before each call (the sampler's situation: a cold call "
+                         "every interval) instead of calling back to back")
     a = ap.parse_args()
     nvml = None
     for path in ([a.lib] if a.lib else LIBS):
@@ -104,6 +118,17 @@ def main():
             r = nvml.nvmlDeviceGetProcessUtilization(dev, samples, C.byref(cnt), C.c_ulonglong(since))
             return 0 if r == 6 else r  # NOT_FOUND: no samples
 
+        infos = (ProcUtilInfo * 512)()
+        pinfo = ProcsUtilInfo()
+
+        def putil_info():
+            pinfo.version = C.sizeof(ProcsUtilInfo) | (1 << 24)
+            pinfo.processSamplesCount = 512
+            pinfo.lastSeenTimeStamp = int(time.time() * 1e6) - 1_000_000
+            pinfo.procUtilArray = infos
+            r = nvml.nvmlDeviceGetProcessesUtilizationInfo(dev, C.byref(pinfo))
+            return 0 if r == 6 else r
+
         queries = {
             "nvmlDeviceGetMemoryInfo (v1)": lambda: nvml.nvmlDeviceGetMemoryInfo(dev, C.byref(m1)),
             "nvmlDeviceGetMemoryInfo_v2": lambda: nvml.nvmlDeviceGetMemoryInfo_v2(dev, C.byref(m2)),
@@ -118,14 +143,20 @@ def main():
             "nvmlDeviceGetFieldValues(power instant)": lambda: nvml.nvmlDeviceGetFieldValues(dev, 1, one),
             "nvmlDeviceGetRunningProcessDetailList": detail,
             "nvmlDeviceGetProcessUtilization": putil,
+            "nvmlDeviceGetProcessesUtilizationInfo": putil_info,
         }
         for name, f in queries.items():
             iters = a.iters if "ProcessUtilization" not in name else max(10, a.iters // 10)
             rc = f()
-            w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+            w = c = 0
+            if a.spaced_ms:
+                iters = min(iters, 20)
             for _ in range(iters):
+                if a.spaced_ms:
+                    time.sleep(a.spaced_ms / 1e3)
+                w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
                 f()
-            w, c = time.perf_counter_ns() - w0, time.thread_time_ns() - c0
+                w, c = w + time.perf_counter_ns() - w0, c + time.thread_time_ns() - c0
             results.append({"device": i, "query": name, "rc": rc, "iters": iters,
                             "wall_ns": w // iters, "cpu_ns": c // iters})
         # The PCIe throughput call: a few only (it blocks ~20 ms).

@@ -25,11 +25,12 @@ pub const HISTORY: usize = 600;
 const PENDING_MAX: usize = 8192;
 /// Processes remembered for the summary; the longest unseen go first.
 const PROCS_MAX: usize = 4096;
-/// The tiers of [`nvml::Tiers`]: seed 002's 500 ms for temperature and fan, and the rest by
-/// what each query costs.
+/// The tiers of [`nvml::Tiers`], by what each query costs (the budget: < 0.1 % of a
+/// core at a 100 ms interval).
 const MEDIUM_INTERVAL: Duration = Duration::from_millis(500);
-const PCIE_INTERVAL: Duration = Duration::from_secs(1);
-const RARE_INTERVAL: Duration = Duration::from_secs(5);
+const SLOW_INTERVAL: Duration = Duration::from_secs(2);
+const PCIE_INTERVAL: Duration = Duration::from_secs(5);
+const RARE_INTERVAL: Duration = Duration::from_secs(10);
 
 /// A period that is due on the first call, then every `period` (at least the interval).
 struct Every {
@@ -367,6 +368,7 @@ fn run(cfg: Config, hub: &Hub, stopped: &mpsc::Receiver<()>) {
     let (cpu0, wall0) = (thread_cpu_ns(), Instant::now());
     let mut next = Instant::now();
     let mut medium = Every::new(MEDIUM_INTERVAL, cfg.interval);
+    let mut slow = Every::new(SLOW_INTERVAL, cfg.interval);
     let mut pcie = Every::new(PCIE_INTERVAL, cfg.interval);
     let mut rare = Every::new(RARE_INTERVAL, cfg.interval);
     let mut procs = Vec::new();
@@ -375,6 +377,7 @@ fn run(cfg: Config, hub: &Hub, stopped: &mpsc::Receiver<()>) {
         let now = Instant::now();
         let tiers = nvml::Tiers {
             medium: medium.due(now),
+            slow: slow.due(now),
             pcie: pcie.due(now),
             rare: rare.due(now),
         };

@@ -259,19 +259,21 @@ pub struct QueryStat {
 }
 
 /// Which of the less frequent queries a round includes. Every round (the interval, 100 ms)
-/// reads utilization, memory, power and the SM clock; the tiers are set by what each query
-/// costs on an H100 (docs/BENCHMARKS.md: NVML spins, so its wall time is CPU time).
+/// reads utilization, power, the SM clock and Xid events; the other tiers are set by what each
+/// query costs (docs/BENCHMARKS.md, H100/H200, driver 580): NVML spins while it waits for the
+/// driver, so its wall time is CPU time, and any call after an idle interval costs tens of µs
+/// (memory info ~70 µs, the PCIe byte counters ~0.8 ms, per-process utilization ~2.7 ms).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Tiers {
-    /// 500 ms (seed 002's rate for temperature and fan): encoder/decoder, graphics and memory
-    /// clocks, throttle reasons, power limit, temperature, fan, ECC, and the processes with
-    /// their memory.
+    /// 500 ms: memory, the processes with their memory, graphics and memory clocks, throttle
+    /// reasons, encoder/decoder utilization.
     pub medium: bool,
-    /// 1 s: the PCIe byte counters (~0.3–0.8 ms a read).
+    /// 2 s: temperature, fan, power limit, ECC.
+    pub slow: bool,
+    /// 5 s: the PCIe byte counters and link generation/width.
     pub pcie: bool,
-    /// 5 s: per-process utilization (~2–3 ms a read; NVML returns every sample since the
-    /// last, so nothing is lost), link generation/width, and NVML's 20 ms-blocking PCIe
-    /// throughput where the byte counters are missing.
+    /// 10 s: per-process utilization (NVML returns every sample it took since the last read),
+    /// and NVML's 20 ms-blocking PCIe throughput where the byte counters are missing.
     pub rare: bool,
 }
 
@@ -485,49 +487,38 @@ impl<'a> Sampler<'a> {
         tiers: Tiers,
         procs: &mut Vec<ProcessSample>,
     ) -> DeviceSample {
+        // Utilization first: the cheapest call pays for waking NVML's code up.
+        let util = self.q(i, Q::Utilization, || dev.utilization_rates());
         if tiers.medium {
             self.medium(i, dev);
         }
+        if tiers.slow {
+            self.slow(i, dev);
+        }
         if tiers.pcie {
             self.pcie(i, dev, ts_ns);
-        }
-        if tiers.rare {
             let link = Link {
                 generation: self.q(i, Q::LinkGen, || dev.current_pcie_link_gen()),
                 width: self.q(i, Q::LinkWidth, || dev.current_pcie_link_width()),
             };
             self.devices[i].carried.link = link;
-            if self.devices[i].unsupported & (1 << Q::PcieCounters as u64) != 0 {
-                let tx = self.q(i, Q::PcieTx, || dev.pcie_throughput(PcieUtilCounter::Send));
-                let rx = self.q(i, Q::PcieRx, || dev.pcie_throughput(PcieUtilCounter::Receive));
-                let c = &mut self.devices[i].carried;
-                c.pcie_tx_bps = tx.map(|k| u64::from(k) * 1024);
-                c.pcie_rx_bps = rx.map(|k| u64::from(k) * 1024);
-            }
         }
-        // What this round reads; the rest is the latest of its tier.
+        if tiers.rare && self.devices[i].unsupported & (1 << Q::PcieCounters as u64) != 0 {
+            let tx = self.q(i, Q::PcieTx, || dev.pcie_throughput(PcieUtilCounter::Send));
+            let rx = self.q(i, Q::PcieRx, || dev.pcie_throughput(PcieUtilCounter::Receive));
+            let c = &mut self.devices[i].carried;
+            c.pcie_tx_bps = tx.map(|k| u64::from(k) * 1024);
+            c.pcie_rx_bps = rx.map(|k| u64::from(k) * 1024);
+        }
+        // What this round read; the rest is the latest of its tier.
         let mut s = DeviceSample {
             ts_ns,
             device: i as u32,
+            util_gpu: util.as_ref().map(|u| u.gpu),
+            util_memory: util.as_ref().map(|u| u.memory),
+            power_mw: self.q(i, Q::Power, || dev.power_usage()),
             ..self.devices[i].carried.clone()
         };
-        s.util_gpu = None;
-        s.util_memory = None;
-        if let Some(u) = self.q(i, Q::Utilization, || dev.utilization_rates()) {
-            s.util_gpu = Some(u.gpu);
-            s.util_memory = Some(u.memory);
-        }
-        s.memory_used = None;
-        s.memory_free = None;
-        s.memory_reserved = None;
-        s.memory_total = None;
-        if let Some(m) = self.q(i, Q::Memory, || dev.memory_info()) {
-            s.memory_used = Some(m.used);
-            s.memory_free = Some(m.free);
-            s.memory_reserved = Some(m.reserved);
-            s.memory_total = Some(m.total);
-        }
-        s.power_mw = self.q(i, Q::Power, || dev.power_usage());
         s.clocks.sm = self.q(i, Q::ClockSm, || dev.clock_info(Clock::SM));
         self.poll_xid(i);
         let pd = &self.devices[i];
@@ -541,8 +532,9 @@ impl<'a> Sampler<'a> {
         s
     }
 
-    /// The 500 ms tier: what changes slowly or matters less often than utilization and memory.
+    /// The 500 ms tier.
     fn medium(&mut self, i: usize, dev: &Device<'a>) {
+        let memory = self.q(i, Q::Memory, || dev.memory_info());
         let encoder = self
             .q(i, Q::Encoder, || dev.encoder_utilization())
             .map(|u| u.utilization);
@@ -550,10 +542,24 @@ impl<'a> Sampler<'a> {
             .q(i, Q::Decoder, || dev.decoder_utilization())
             .map(|u| u.utilization);
         let graphics = self.q(i, Q::ClockGraphics, || dev.clock_info(Clock::Graphics));
-        let memory = self.q(i, Q::ClockMemory, || dev.clock_info(Clock::Memory));
+        let mem_clock = self.q(i, Q::ClockMemory, || dev.clock_info(Clock::Memory));
         let throttle = self
             .q(i, Q::Throttle, || dev.current_throttle_reasons())
             .map(|r| r.bits());
+        let c = &mut self.devices[i].carried;
+        c.memory_used = memory.as_ref().map(|m| m.used);
+        c.memory_free = memory.as_ref().map(|m| m.free);
+        c.memory_reserved = memory.as_ref().map(|m| m.reserved);
+        c.memory_total = memory.as_ref().map(|m| m.total);
+        c.util_encoder = encoder;
+        c.util_decoder = decoder;
+        c.clocks.graphics = graphics;
+        c.clocks.memory = mem_clock;
+        c.throttle_reasons = throttle;
+    }
+
+    /// The 2 s tier.
+    fn slow(&mut self, i: usize, dev: &Device<'a>) {
         let power_limit = self.q(i, Q::PowerLimit, || dev.enforced_power_limit());
         let temperature = self.q(i, Q::Temperature, || dev.temperature(TemperatureSensor::Gpu));
         let fan = self.q(i, Q::Fans, || {
@@ -571,11 +577,6 @@ impl<'a> Sampler<'a> {
             dev.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile)
         });
         let c = &mut self.devices[i].carried;
-        c.util_encoder = encoder;
-        c.util_decoder = decoder;
-        c.clocks.graphics = graphics;
-        c.clocks.memory = memory;
-        c.throttle_reasons = throttle;
         c.power_limit_mw = power_limit;
         c.temperature_c = temperature;
         c.fan_percent = fan;
@@ -583,7 +584,7 @@ impl<'a> Sampler<'a> {
         c.ecc_uncorrected = ecc_uncorrected;
     }
 
-    /// PCIe: NVML's cumulative byte counters (hundreds of µs of CPU a read, so once a second);
+    /// PCIe: NVML's cumulative byte counters (most of a millisecond of CPU a read);
     /// the rate is their change since the last read.
     fn pcie(&mut self, i: usize, dev: &Device<'a>, ts_ns: u64) {
         let ids = [
@@ -604,12 +605,9 @@ impl<'a> Sampler<'a> {
         let pd = &mut self.devices[i];
         pd.carried.io_tx_bytes = Some(tx);
         pd.carried.io_rx_bytes = Some(rx);
-        if let Some((ptx, prx, pts)) = pd.last_io
-            && ts_ns > pts
-        {
-            let dt = (ts_ns - pts) as f64 / 1e9;
-            pd.carried.pcie_tx_bps = Some((tx.saturating_sub(ptx) as f64 / dt).round() as u64);
-            pd.carried.pcie_rx_bps = Some((rx.saturating_sub(prx) as f64 / dt).round() as u64);
+        if let Some((btx, brx)) = pd.last_io.and_then(|prev| pcie_rate(prev, (tx, rx, ts_ns))) {
+            pd.carried.pcie_tx_bps = Some(btx);
+            pd.carried.pcie_rx_bps = Some(brx);
         }
         pd.last_io = Some((tx, rx, ts_ns));
     }
@@ -713,6 +711,14 @@ impl<'a> Sampler<'a> {
     }
 }
 
+/// Bytes per second (tx, rx) between two reads of the PCIe byte counters, (tx, rx, ts_ns) each;
+/// a counter that went backwards (driver reload) counts from 0.
+fn pcie_rate(prev: (u64, u64, u64), now: (u64, u64, u64)) -> Option<(u64, u64)> {
+    let dt = now.2.checked_sub(prev.2).filter(|&d| d > 0)? as f64 / 1e9;
+    let per_s = |a: u64, b: u64| (if b >= a { b - a } else { b }) as f64 / dt;
+    Some((per_s(prev.0, now.0).round() as u64, per_s(prev.1, now.1).round() as u64))
+}
+
 /// (pid, used memory) of the compute processes on a device: the versioned detail list, or the
 /// v3 call on drivers without it.
 fn detail_list(dev: &Device<'_>) -> Result<Vec<(u32, Option<u64>)>, NvmlError> {
@@ -775,4 +781,33 @@ fn detail_list(dev: &Device<'_>) -> Result<Vec<(u32, Option<u64>)>, NvmlError> {
         }
     }
     Err(NvmlError::InsufficientSize(None))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pcie_rate_is_bytes_per_second_between_reads() {
+        // 5 MB out and 10 MB in over 5 s.
+        let r = pcie_rate(
+            (1_000_000, 2_000_000, 10_000_000_000),
+            (6_000_000, 12_000_000, 15_000_000_000),
+        );
+        assert_eq!(r, Some((1_000_000, 2_000_000)));
+        // Counters reset (driver reload): from 0.
+        assert_eq!(pcie_rate((900, 900, 0), (100, 50, 1_000_000_000)), Some((100, 50)));
+        // No time between the reads: no rate.
+        assert_eq!(pcie_rate((1, 1, 5), (2, 2, 5)), None);
+    }
+
+    #[test]
+    fn throttle_bits_have_the_names_of_nvml_h() {
+        let names: Vec<_> = THROTTLE_REASONS
+            .iter()
+            .filter(|(b, _)| 0x45 & b != 0)
+            .map(|(_, n)| *n)
+            .collect();
+        assert_eq!(names, ["gpu_idle", "sw_power_cap", "hw_thermal_slowdown"]);
+    }
 }
