@@ -113,19 +113,24 @@ fn expected_sample(i: u64, k: u64, m: u64) -> Value {
     v
 }
 
-#[test]
-fn nvml_samples_reach_the_output_with_exact_values() {
-    let _g = serial();
-    require_root();
-    let dir = scratch("nvml-values");
+/// A workload with the fake libcuda loaded, and the agent observing it (`--pid`) with the fake
+/// NVML `variant`, sampling every 50 ms; `procs` gives fake_nvml.c's process lines for the
+/// workload's pid.
+fn observe(
+    name: &str,
+    variant: &str,
+    procs: impl Fn(u32) -> String,
+    env: &[(&str, &str)],
+) -> (PathBuf, Workload, Agent) {
+    let dir = scratch(name);
     let lib = fresh_lib(&dir, "libcuda.so.1");
     let mut w = Workload::start();
     w.cmd(&format!("load {}", lib.display()));
-    // The observed workload on device 1; another process (pid 1) on device 0 that --pid keeps
-    // out of the lines.
-    let procs = dir.join("procs.txt");
-    std::fs::write(&procs, format!("{} 1 {} 42\n1 0 {} 7\n", w.pid, 3 * GIB, MIB)).unwrap();
-    let nvml = fake_nvml("nvml");
+    let file = dir.join("procs.txt");
+    std::fs::write(&file, procs(w.pid)).unwrap();
+    let nvml = fake_nvml(variant);
+    let mut env = env.to_vec();
+    env.push(("FAKE_NVML_PROCS", file.to_str().unwrap()));
     let agent = Agent::start_with_env(
         &dir,
         &[
@@ -136,9 +141,24 @@ fn nvml_samples_reach_the_output_with_exact_values() {
             "--nvml-interval-ms",
             "50",
         ],
-        &[("FAKE_NVML_PROCS", procs.to_str().unwrap()), ("FAKE_NVML_XID", "79:2")],
+        &env,
     );
     agent.wait_stderr("attached", Duration::from_secs(10));
+    (dir, w, agent)
+}
+
+#[test]
+fn nvml_samples_reach_the_output_with_exact_values() {
+    let _g = serial();
+    require_root();
+    // The observed workload on device 1; another process (pid 1) on device 0 that --pid keeps
+    // out of the lines.
+    let (dir, mut w, agent) = observe(
+        "nvml-values",
+        "nvml",
+        |pid| format!("{pid} 1 {} 42\n1 0 {MIB} 7\n", 3 * GIB),
+        &[("FAKE_NVML_XID", "79:2")],
+    );
     agent.wait_stderr("NVML", Duration::from_secs(10));
     w.cmd("init");
     // Past two 500 ms rounds.
@@ -319,26 +339,7 @@ fn nvml_samples_reach_the_output_with_exact_values() {
 fn older_drivers_give_process_memory_through_the_v3_call() {
     let _g = serial();
     require_root();
-    let dir = scratch("nvml-old");
-    let lib = fresh_lib(&dir, "libcuda.so.1");
-    let mut w = Workload::start();
-    w.cmd(&format!("load {}", lib.display()));
-    let procs = dir.join("procs.txt");
-    std::fs::write(&procs, format!("{} 0 {} 5\n", w.pid, 5 * MIB)).unwrap();
-    let nvml = fake_nvml("nvml-old");
-    let agent = Agent::start_with_env(
-        &dir,
-        &[
-            "--pid",
-            &w.pid.to_string(),
-            "--nvml-lib",
-            nvml.to_str().unwrap(),
-            "--nvml-interval-ms",
-            "50",
-        ],
-        &[("FAKE_NVML_PROCS", procs.to_str().unwrap())],
-    );
-    agent.wait_stderr("attached", Duration::from_secs(10));
+    let (dir, mut w, agent) = observe("nvml-old", "nvml-old", |pid| format!("{pid} 0 {} 5\n", 5 * MIB), &[]);
     w.cmd("init");
     // Two 500 ms rounds: two process lines.
     wait_for_samples(&dir, 12);
