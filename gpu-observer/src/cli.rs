@@ -94,6 +94,32 @@ pub struct Cli {
     #[arg(long, global = true)]
     pub no_nvml: bool,
 
+    /// Export traces and metrics over OTLP to this collector (e.g. http://localhost:4317 for
+    /// gRPC, http://localhost:4318 for HTTP/protobuf). Without it, the standard
+    /// OTEL_EXPORTER_OTLP_ENDPOINT (and _TRACES_/_METRICS_ variants) turn export on.
+    #[arg(long, value_name = "URL", global = true)]
+    pub otlp_endpoint: Option<String>,
+
+    /// OTLP transport: grpc or http/protobuf (default: OTEL_EXPORTER_OTLP_PROTOCOL, else grpc).
+    #[arg(long, value_name = "PROTOCOL", global = true)]
+    pub otlp_protocol: Option<String>,
+
+    /// Trace window (one trace per process per window) and metric export interval, in ms.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(100..=3_600_000), global = true)]
+    pub otlp_interval_ms: u64,
+
+    /// Spans waiting for export at most; more are dropped and counted.
+    #[arg(long, default_value_t = 65_536, global = true)]
+    pub otlp_queue: usize,
+
+    /// Spans per second one process may export (0: no limit); the rest are counted.
+    #[arg(long, default_value_t = 10_000, global = true)]
+    pub otlp_max_spans_per_sec: u64,
+
+    /// Also export each process's command line (`process.command_line`; it can hold secrets).
+    #[arg(long, global = true)]
+    pub otlp_command_line: bool,
+
     /// How often to look for new libcuda files and refresh the terminal view, in milliseconds.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(50..=60_000), global = true)]
     pub interval_ms: u64,

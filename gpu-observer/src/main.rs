@@ -235,7 +235,50 @@ async fn observe(cli: Cli) -> Result<i32> {
         Some(sample::Sampler::spawn(cfg, hub.clone())?)
     };
     let shared = Arc::new(Shared::new(Correlator::new(cli.threshold_us * 1000), hub.clone()));
-    let reader = Reader::spawn(at.probes.take_ring()?, shared.clone(), output)?;
+    let otlp = if export::otlp::wanted(cli.otlp_endpoint.as_deref()) {
+        let grpc = export::otlp::grpc(cli.otlp_protocol.as_deref())?;
+        // The driver version for the resource, when NVML is up in time.
+        for _ in 0..20 {
+            if hub.lock().state != sample::State::Starting {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        let backends = match (cli.no_nvml, spawned.as_ref().and_then(|s| s.injection.as_ref())) {
+            (true, None) => "uprobes",
+            (true, Some(_)) => "uprobes,cupti",
+            (false, None) => "uprobes,nvml",
+            (false, Some(_)) => "uprobes,cupti,nvml",
+        };
+        let cfg = export::otlp::Config {
+            endpoint: cli.otlp_endpoint.clone(),
+            grpc,
+            interval: Duration::from_millis(cli.otlp_interval_ms),
+            queue: cli.otlp_queue.max(1),
+            timeout: Duration::from_secs(5),
+            command_line: cli.otlp_command_line,
+            threshold_ns: cli.threshold_us * 1000,
+            trace_all: cli.trace_all,
+            max_spans_per_sec: cli.otlp_max_spans_per_sec,
+        };
+        let o = export::otlp::start(cfg, shared.clone(), hub.clone(), backends)?;
+        say(format_args!(
+            "exporting OTLP ({}) to {}",
+            if grpc { "gRPC" } else { "HTTP/protobuf" },
+            cli.otlp_endpoint
+                .as_deref()
+                .unwrap_or("the OTEL_EXPORTER_OTLP_* endpoint")
+        ));
+        Some(o)
+    } else {
+        None
+    };
+    let reader = Reader::spawn(
+        at.probes.take_ring()?,
+        shared.clone(),
+        output,
+        otlp.as_ref().and_then(export::otlp::Otlp::sender),
+    )?;
     let started = Instant::now();
     say("ready");
     if let Some(s) = spawned.as_mut() {
@@ -302,6 +345,11 @@ async fn observe(cli: Cli) -> Result<i32> {
                     break;
                 }
                 let drops = at.probes.drops().unwrap_or_default();
+                {
+                    let mut a = shared.agent.lock().expect("agent stats lock");
+                    a.drops = drops.by_kind.iter().map(|(k, n)| (export::jsonl::drop_kind_name(*k), *n)).collect();
+                    a.attach_failures = at.failed.len() as u64;
+                }
                 if drops.total > last_drops {
                     say(format_args!(
                         "warning: ring buffer full: {} records dropped so far; raise --ring-buffer-size (now {} bytes) or narrow with --pid",
@@ -339,6 +387,20 @@ async fn observe(cli: Cli) -> Result<i32> {
     }
     at.probes.disable()?;
     let output = reader.stop()?;
+    let exported = otlp.map(|o| {
+        let c = o.counters.clone();
+        o.shutdown(Duration::from_secs(5));
+        let j = c.json();
+        say(format_args!(
+            "OTLP: {} spans exported, {} dropped, {} sampled out; {} metric exports, {} failed",
+            j["spans_exported"],
+            j["spans_dropped"],
+            j["spans_sampled_out"],
+            j["metric_exports"],
+            j["metric_export_failures"]
+        ));
+        j
+    });
     let drops = at.probes.drops()?;
     let wall_ns = started.elapsed().as_nanos() as u64;
     let corr = shared.corr.lock().expect("correlator lock");
@@ -352,7 +414,7 @@ async fn observe(cli: Cli) -> Result<i32> {
     let text = terminal::final_summary(&corr, &gpus, &drops, wall_ns);
     match output {
         Some(mut out) => {
-            out.summary(&corr, &gpus, &drops, wall_ns, unattributed)?;
+            out.summary(&corr, &gpus, &drops, wall_ns, unattributed, exported.as_ref())?;
             out.into_inner().flush()?;
             say(format_args!("{} events, {} dropped", corr.events, drops.total));
         }

@@ -22,7 +22,7 @@ use crate::{
         gpu::{Status, state_message},
     },
     decode::{Body, Event, decode},
-    export::jsonl::JsonlWriter,
+    export::{jsonl::JsonlWriter, otlp},
     sample::Hub,
 };
 
@@ -44,6 +44,14 @@ pub struct Shared {
     pub dump_leaks: AtomicBool,
     /// NVML samples waiting to be written.
     pub nvml: Arc<Hub>,
+    /// What the main task knows that the exporters report: drops by kind, attach failures.
+    pub agent: Mutex<AgentStats>,
+}
+
+#[derive(Default)]
+pub struct AgentStats {
+    pub drops: Vec<(&'static str, u64)>,
+    pub attach_failures: u64,
 }
 
 impl Shared {
@@ -51,6 +59,7 @@ impl Shared {
         Self {
             corr: Mutex::new(corr),
             nvml,
+            agent: Mutex::new(AgentStats::default()),
             stop: AtomicBool::new(false),
             dump_leaks: AtomicBool::new(false),
         }
@@ -79,11 +88,16 @@ pub struct Reader {
 }
 
 impl Reader {
-    pub fn spawn(ring: RingBuf<MapData>, shared: Arc<Shared>, output: Option<Output>) -> Result<Self> {
+    pub fn spawn(
+        ring: RingBuf<MapData>,
+        shared: Arc<Shared>,
+        output: Option<Output>,
+        otlp: Option<otlp::Sender>,
+    ) -> Result<Self> {
         let s = shared.clone();
         let handle = std::thread::Builder::new()
             .name("ring-reader".into())
-            .spawn(move || run(ring, &s, output))?;
+            .spawn(move || run(ring, &s, output, otlp.as_ref()))?;
         Ok(Self { shared, handle })
     }
 
@@ -109,7 +123,12 @@ fn report_changes(changes: &[(u32, u64, String, Status)], output: &mut Option<Ou
     Ok(())
 }
 
-fn run(mut ring: RingBuf<MapData>, shared: &Shared, mut output: Option<Output>) -> Result<Option<Output>> {
+fn run(
+    mut ring: RingBuf<MapData>,
+    shared: &Shared,
+    mut output: Option<Output>,
+    otlp: Option<&otlp::Sender>,
+) -> Result<Option<Output>> {
     let fd = ring.as_raw_fd();
     let mut batch: Vec<Event> = Vec::with_capacity(BATCH);
     let mut decode_errors = 0u64;
@@ -162,6 +181,14 @@ fn run(mut ring: RingBuf<MapData>, shared: &Shared, mut output: Option<Output>) 
             }
             report_changes(&changes, &mut output)?;
             changes.clear();
+            if let Some(o) = otlp {
+                for ev in &batch {
+                    o.event(ev);
+                }
+                for a in &gpu {
+                    o.gpu(a);
+                }
+            }
             if let Some(out) = output.as_mut() {
                 for ev in &batch {
                     out.event(ev)?;
@@ -195,6 +222,11 @@ fn run(mut ring: RingBuf<MapData>, shared: &Shared, mut output: Option<Output>) 
             if let Some(out) = output.as_mut() {
                 for a in &gpu {
                     out.gpu(a)?;
+                }
+            }
+            if let Some(o) = otlp {
+                for a in &gpu {
+                    o.gpu(a);
                 }
             }
             gpu.clear();

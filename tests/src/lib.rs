@@ -14,6 +14,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+pub mod otlp;
+
 use serde_json::Value;
 
 /// Tests share the machine's uprobes and processes: one at a time.

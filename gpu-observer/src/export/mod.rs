@@ -3,6 +3,8 @@
 pub mod attributes;
 pub mod devices;
 pub mod jsonl;
+pub mod otlp;
+pub mod otlp_metrics;
 pub mod terminal;
 
 /// Seed 003: MB/s = bytes·1e6 / (duration_us·1048576); 0 for a zero duration.

@@ -20,6 +20,19 @@ use crate::{
     sample::{HubState, ProcUse},
 };
 
+/// The name of an event kind in drop counts.
+pub fn drop_kind_name(kind: u32) -> &'static str {
+    match kind {
+        1 => "launch",
+        2 => "call",
+        3 => "ioctl",
+        4 => "process_exit",
+        5 => "name",
+        6 => "gpu",
+        _ => "gpu_name",
+    }
+}
+
 pub struct JsonlWriter<W: Write> {
     out: W,
     threshold_ns: u64,
@@ -312,6 +325,7 @@ impl<W: Write> JsonlWriter<W> {
         drops: &Drops,
         wall_ns: u64,
         unattributed: u64,
+        otlp: Option<&serde_json::Value>,
     ) -> io::Result<()> {
         for p in corr.sorted() {
             self.process_summary(
@@ -326,18 +340,7 @@ impl<W: Write> JsonlWriter<W> {
             "{{\"type\":\"summary\",\"scope\":\"total\",\"pid\":null,\"events\":{},\"dropped\":{},\"dropped_by_kind\":",
             corr.events, drops.total
         )?;
-        let kinds = drops.by_kind.iter().map(|(kind, n)| {
-            let name = match kind {
-                1 => "launch",
-                2 => "call",
-                3 => "ioctl",
-                4 => "process_exit",
-                5 => "name",
-                6 => "gpu",
-                _ => "gpu_name",
-            };
-            (name, *n)
-        });
+        let kinds = drops.by_kind.iter().map(|(kind, n)| (drop_kind_name(*kind), *n));
         counts(&mut self.out, kinds)?;
         write!(
             self.out,
@@ -356,6 +359,8 @@ impl<W: Write> JsonlWriter<W> {
             crate::decode::demangle::style()
         )?;
         self.nvml_total(gpus)?;
+        self.out.write_all(b",\"otlp\":")?;
+        serde_json::to_writer(&mut self.out, &otlp.unwrap_or(&serde_json::Value::Null)).map_err(io::Error::other)?;
         self.out.write_all(b"}\n")?;
         self.out.flush()
     }

@@ -1,0 +1,1028 @@
+//! OTLP export: traces and metrics to an OpenTelemetry Collector (gRPC or HTTP/protobuf)
+//! through opentelemetry-otlp.
+//!
+//! Traces: one trace per process per window (`--otlp-interval-ms`, 1 s): a root span
+//! `process <comm>` covering the window, and under it a span per CUDA call (launch, copy,
+//! memset, alloc, sync) with its ioctls as child spans, and the GPU kernels/copies CUPTI timed.
+//! Windows rather than sync-to-sync steps: a long-lived server or a process that never syncs
+//! would otherwise make one unbounded trace, and a fixed window bounds what a backend holds
+//! open per trace.
+//!
+//! Nothing here may slow the ring-buffer reader: it hands events over through a bounded
+//! channel (`try_send`; a full queue is a counted drop), and a thread of its own builds and
+//! exports the spans, with a timeout per export, retries with backoff, and a deadline at exit.
+//! Metrics are observable instruments read from the correlator and the NVML hub by the SDK's
+//! periodic reader; the one histogram (kernel GPU time) is recorded by the export thread.
+
+use std::{
+    borrow::Cow,
+    collections::{HashMap, VecDeque},
+    path::Path,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+        mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel},
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant, SystemTime},
+};
+
+use anyhow::{Context, Result};
+use gpu_observer_common::api::Family;
+use opentelemetry::{
+    InstrumentationScope, KeyValue, Value,
+    metrics::Histogram,
+    trace::{SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceId, TraceState},
+};
+use opentelemetry_otlp::{Protocol, WithExportConfig};
+use opentelemetry_sdk::{
+    Resource,
+    error::OTelSdkResult,
+    metrics::{PeriodicReader, SdkMeterProvider, Temporality, data::ResourceMetrics, exporter::PushMetricExporter},
+    trace::{SpanData, SpanEvents, SpanExporter, SpanLinks},
+};
+
+use crate::{
+    correlate::{direction_name, gpu::GpuActivity},
+    decode::{Body, Event},
+    export::attributes,
+    pipeline::Shared,
+    sample::Hub,
+};
+
+/// Kernel names that get their own label on the GPU-time histogram; the rest are `other`.
+const TOP_KERNELS: usize = 20;
+/// Spans per export request.
+const BATCH: usize = 512;
+/// Ioctls held per thread until the call they were made in returns.
+const IOCTLS_PER_THREAD: usize = 64;
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// `None`: the `OTEL_EXPORTER_OTLP_*` environment decides.
+    pub endpoint: Option<String>,
+    pub grpc: bool,
+    /// Trace window and metric export interval.
+    pub interval: Duration,
+    pub queue: usize,
+    pub timeout: Duration,
+    pub command_line: bool,
+    pub threshold_ns: u64,
+    pub trace_all: bool,
+    /// Spans per second a process may export; the rest are counted (`sampled_out`).
+    pub max_spans_per_sec: u64,
+}
+
+/// What went where, for the summary and the self-metrics.
+#[derive(Default)]
+pub struct Counters {
+    pub spans_exported: AtomicU64,
+    /// Spans the queue had no room for, or an export that failed for good.
+    pub spans_dropped: AtomicU64,
+    /// Fast calls or a process over its span rate, as configured.
+    pub spans_sampled_out: AtomicU64,
+    pub trace_failures: AtomicU64,
+    pub metric_exports: AtomicU64,
+    pub metric_failures: AtomicU64,
+}
+
+/// What the reader thread hands over.
+enum Item {
+    Event(Event),
+    Gpu(GpuActivity),
+}
+
+/// The running exporter.
+pub struct Otlp {
+    tx: Option<SyncSender<Item>>,
+    pub counters: Arc<Counters>,
+    thread: Option<JoinHandle<()>>,
+    meters: SdkMeterProvider,
+    /// Its own runtime (tonic needs one); shut down in the background, as the agent's main
+    /// task runs inside another runtime where a blocking drop is not allowed.
+    rt: Option<tokio::runtime::Runtime>,
+}
+
+impl Drop for Otlp {
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// The reader thread's handle: hands events over, never blocks.
+#[derive(Clone)]
+pub struct Sender {
+    tx: SyncSender<Item>,
+    counters: Arc<Counters>,
+}
+
+impl Sender {
+    pub fn event(&self, ev: &Event) {
+        self.offer(Item::Event(ev.clone()));
+    }
+
+    pub fn gpu(&self, a: &GpuActivity) {
+        self.offer(Item::Gpu(a.clone()));
+    }
+
+    fn offer(&self, item: Item) {
+        if self.tx.try_send(item).is_err() {
+            self.counters.spans_dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Counters {
+    /// The summary's `otlp` object.
+    pub fn json(&self) -> serde_json::Value {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        serde_json::json!({
+            "spans_exported": g(&self.spans_exported),
+            "spans_dropped": g(&self.spans_dropped),
+            "spans_sampled_out": g(&self.spans_sampled_out),
+            "trace_export_failures": g(&self.trace_failures),
+            "metric_exports": g(&self.metric_exports),
+            "metric_export_failures": g(&self.metric_failures),
+        })
+    }
+}
+
+impl Otlp {
+    pub fn sender(&self) -> Option<Sender> {
+        Some(Sender {
+            tx: self.tx.clone()?,
+            counters: self.counters.clone(),
+        })
+    }
+
+    /// Exports what is queued and the last metrics, within about `deadline`. The senders
+    /// handed out must be gone (the reader stopped) for the span thread to finish.
+    pub fn shutdown(mut self, deadline: Duration) {
+        drop(self.tx.take());
+        if let Some(t) = self.thread.take() {
+            // The thread ends after one last export attempt, bounded by the exporter timeout.
+            let _ = t.join();
+        }
+        let _ = self.meters.force_flush();
+        let _ = self.meters.shutdown_with_timeout(deadline);
+    }
+}
+
+/// CLOCK_MONOTONIC ns → wall time, with the offset of now.
+#[derive(Clone, Copy)]
+struct Clock {
+    mono_ns: u64,
+    wall: SystemTime,
+}
+
+impl Clock {
+    fn now() -> Self {
+        Self {
+            mono_ns: crate::pipeline::monotonic_ns(),
+            wall: SystemTime::now(),
+        }
+    }
+
+    fn wall(&self, mono_ns: u64) -> SystemTime {
+        if mono_ns >= self.mono_ns {
+            self.wall + Duration::from_nanos(mono_ns - self.mono_ns)
+        } else {
+            self.wall - Duration::from_nanos(self.mono_ns - mono_ns)
+        }
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// Resource: who exports. `OTEL_SERVICE_NAME` / `OTEL_RESOURCE_ATTRIBUTES` are read by the SDK.
+fn resource(backends: &str, driver: Option<String>) -> Resource {
+    let mut attrs = vec![
+        KeyValue::new("host.name", hostname()),
+        KeyValue::new("gpu.tracing.backends", backends.to_string()),
+    ];
+    if let Ok(node) = std::env::var("K8S_NODE_NAME")
+        && !node.is_empty()
+    {
+        attrs.push(KeyValue::new("k8s.node.name", node));
+    }
+    if let Some(d) = driver {
+        attrs.push(KeyValue::new("gpu.driver.version", d));
+    }
+    let mut b = Resource::builder();
+    if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
+        b = b.with_service_name("gpu-observer");
+    }
+    b.with_attributes(attrs).build()
+}
+
+/// Kubernetes identity of a process, from its cgroup path and the kubelet's log symlinks
+/// (`/var/log/containers/<pod>_<namespace>_<container>-<id>.log`, mounted into the DaemonSet).
+pub fn k8s_attributes(pid: u32, proc_root: &Path, log_dir: &Path) -> Vec<KeyValue> {
+    let Ok(cg) = std::fs::read_to_string(proc_root.join(format!("{pid}/cgroup"))) else {
+        return Vec::new();
+    };
+    let Some(id) = container_id(&cg) else { return Vec::new() };
+    let mut out = vec![KeyValue::new("container.id", id.clone())];
+    let suffix = format!("-{id}.log");
+    if let Ok(dir) = std::fs::read_dir(log_dir) {
+        for e in dir.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(stem) = name.strip_suffix(&suffix) else {
+                continue;
+            };
+            let mut parts = stem.splitn(3, '_');
+            if let (Some(pod), Some(ns), Some(container)) = (parts.next(), parts.next(), parts.next()) {
+                out.push(KeyValue::new("k8s.pod.name", pod.to_string()));
+                out.push(KeyValue::new("k8s.namespace.name", ns.to_string()));
+                out.push(KeyValue::new("k8s.container.name", container.to_string()));
+            }
+            break;
+        }
+    }
+    out
+}
+
+/// The 64-hex container id in a cgroup file (`cri-containerd-<id>.scope`, `docker-<id>.scope`,
+/// `crio-<id>.scope`, or a bare `/<id>` path element).
+fn container_id(cgroup: &str) -> Option<String> {
+    for line in cgroup.lines() {
+        let path = line.rsplit(':').next()?;
+        for part in path.rsplit('/') {
+            let part = part.strip_suffix(".scope").unwrap_or(part);
+            let id = part.rsplit(['-', ':']).next().unwrap_or(part);
+            if id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Some(id.to_string());
+            }
+        }
+    }
+    None
+}
+
+/// Attributes of a process, computed once per pid.
+struct ProcAttrs {
+    cache: HashMap<u32, Arc<Vec<KeyValue>>>,
+    command_line: bool,
+}
+
+impl ProcAttrs {
+    fn of(&mut self, pid: u32, comm: &str) -> Arc<Vec<KeyValue>> {
+        if self.cache.len() > 4096 {
+            self.cache.clear();
+        }
+        let cl = self.command_line;
+        self.cache
+            .entry(pid)
+            .or_insert_with(|| {
+                let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
+                    .ok()
+                    .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                    .unwrap_or_else(|| comm.to_string());
+                let mut v = vec![
+                    KeyValue::new("process.pid", i64::from(pid)),
+                    KeyValue::new("process.executable.name", exe),
+                ];
+                if cl && let Ok(c) = std::fs::read(format!("/proc/{pid}/cmdline")) {
+                    let s: Vec<String> = c
+                        .split(|&b| b == 0)
+                        .filter(|a| !a.is_empty())
+                        .map(|a| String::from_utf8_lossy(a).into_owned())
+                        .collect();
+                    v.push(KeyValue::new("process.command_line", s.join(" ")));
+                }
+                v.extend(k8s_attributes(
+                    pid,
+                    Path::new("/proc"),
+                    Path::new("/var/log/containers"),
+                ));
+                Arc::new(v)
+            })
+            .clone()
+    }
+}
+
+/// A metric exporter that counts its exports and failures.
+struct Counting<E> {
+    inner: E,
+    counters: Arc<Counters>,
+}
+
+impl<E: PushMetricExporter> PushMetricExporter for Counting<E> {
+    async fn export(&self, metrics: &ResourceMetrics) -> OTelSdkResult {
+        let r = self.inner.export(metrics).await;
+        let c = if r.is_ok() {
+            &self.counters.metric_exports
+        } else {
+            &self.counters.metric_failures
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+        r
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn temporality(&self) -> Temporality {
+        self.inner.temporality()
+    }
+}
+
+/// With an explicit endpoint over HTTP the signal's path is ours to add (the environment's
+/// endpoint gets it from the library).
+fn signal_endpoint(cfg: &Config, path: &str) -> Option<String> {
+    let e = cfg.endpoint.as_ref()?;
+    Some(if cfg.grpc || e.ends_with(path) {
+        e.clone()
+    } else {
+        format!("{}{path}", e.trim_end_matches('/'))
+    })
+}
+
+/// Starts the exporter: builds both OTLP exporters (errors here are configuration errors),
+/// the metric instruments and the span thread.
+pub fn start(cfg: Config, shared: Arc<Shared>, hub: Arc<Hub>, backends: &str) -> Result<Otlp> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("otlp-io")
+        .enable_all()
+        .build()
+        .context("cannot start the OTLP runtime")?;
+    let _guard = rt.enter();
+    let driver = hub.lock().devices.first().and_then(|d| d.driver_version.clone());
+    let res = resource(backends, driver);
+    let protocol = if cfg.grpc { Protocol::Grpc } else { Protocol::HttpBinary };
+    let spans = {
+        let b = opentelemetry_otlp::SpanExporter::builder();
+        let mut e = if cfg.grpc {
+            let mut b = b.with_tonic().with_protocol(protocol).with_timeout(cfg.timeout);
+            if let Some(ep) = signal_endpoint(&cfg, "/v1/traces") {
+                b = b.with_endpoint(ep);
+            }
+            SpanExp::Grpc(b.build().context("OTLP span exporter (gRPC)")?)
+        } else {
+            let mut b = b.with_http().with_protocol(protocol).with_timeout(cfg.timeout);
+            if let Some(ep) = signal_endpoint(&cfg, "/v1/traces") {
+                b = b.with_endpoint(ep);
+            }
+            SpanExp::Http(b.build().context("OTLP span exporter (HTTP)")?)
+        };
+        e.set_resource(&res);
+        e
+    };
+    let counters = Arc::new(Counters::default());
+    let meters = {
+        let b = opentelemetry_otlp::MetricExporter::builder();
+        let reader = if cfg.grpc {
+            let mut b = b.with_tonic().with_protocol(protocol).with_timeout(cfg.timeout);
+            if let Some(ep) = signal_endpoint(&cfg, "/v1/metrics") {
+                b = b.with_endpoint(ep);
+            }
+            let inner = b.build().context("OTLP metric exporter (gRPC)")?;
+            PeriodicReader::builder(Counting {
+                inner,
+                counters: counters.clone(),
+            })
+            .with_interval(cfg.interval)
+            .build()
+        } else {
+            let mut b = b.with_http().with_protocol(protocol).with_timeout(cfg.timeout);
+            if let Some(ep) = signal_endpoint(&cfg, "/v1/metrics") {
+                b = b.with_endpoint(ep);
+            }
+            let inner = b.build().context("OTLP metric exporter (HTTP)")?;
+            PeriodicReader::builder(Counting {
+                inner,
+                counters: counters.clone(),
+            })
+            .with_interval(cfg.interval)
+            .build()
+        };
+        SdkMeterProvider::builder()
+            .with_resource(res)
+            .with_reader(reader)
+            .build()
+    };
+    let kernel_time = super::otlp_metrics::register(&meters, &shared, &hub, &counters, cfg.command_line);
+    let (tx, rx) = sync_channel(cfg.queue);
+    let handle = rt.handle().clone();
+    let c = counters.clone();
+    let thread = std::thread::Builder::new()
+        .name("otlp-export".into())
+        .spawn(move || Spans::new(cfg, c, kernel_time).run(&rx, &spans, &handle))?;
+    drop(_guard);
+    Ok(Otlp {
+        tx: Some(tx),
+        counters,
+        thread: Some(thread),
+        meters,
+        rt: Some(rt),
+    })
+}
+
+/// The two span exporters behind one name.
+enum SpanExp {
+    Grpc(opentelemetry_otlp::SpanExporter),
+    Http(opentelemetry_otlp::SpanExporter),
+}
+
+impl SpanExp {
+    fn set_resource(&mut self, r: &Resource) {
+        match self {
+            SpanExp::Grpc(e) | SpanExp::Http(e) => e.set_resource(r),
+        }
+    }
+
+    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        match self {
+            SpanExp::Grpc(e) | SpanExp::Http(e) => e.export(batch).await,
+        }
+    }
+}
+
+/// One process's current trace window.
+struct Window {
+    trace_id: TraceId,
+    root: SpanId,
+    start_ns: u64,
+    end_ns: u64,
+    comm: String,
+    spans: u64,
+    /// Token bucket for `max_spans_per_sec`: spans left in the current second.
+    budget: u64,
+    budget_second: u64,
+}
+
+/// A pending ioctl, waiting for its call's span.
+struct PendingIoctl {
+    ts_ns: u64,
+    span: SpanData,
+}
+
+struct Spans {
+    cfg: Config,
+    counters: Arc<Counters>,
+    clock: Clock,
+    windows: HashMap<u32, Window>,
+    ioctls: HashMap<u32, VecDeque<PendingIoctl>>,
+    batch: Vec<SpanData>,
+    procs: ProcAttrs,
+    scope: InstrumentationScope,
+    seq: u64,
+    kernel_time: Histogram<f64>,
+    /// GPU ns per kernel name, for the histogram's top-N label set.
+    kernel_ns: HashMap<Arc<str>, u64>,
+    top: Vec<Arc<str>>,
+    last_top: Instant,
+}
+
+impl Spans {
+    fn new(cfg: Config, counters: Arc<Counters>, kernel_time: Histogram<f64>) -> Self {
+        let command_line = cfg.command_line;
+        Self {
+            cfg,
+            counters,
+            clock: Clock::now(),
+            windows: HashMap::new(),
+            ioctls: HashMap::new(),
+            batch: Vec::with_capacity(BATCH),
+            procs: ProcAttrs {
+                cache: HashMap::new(),
+                command_line,
+            },
+            scope: InstrumentationScope::builder("gpu-observer")
+                .with_version(env!("CARGO_PKG_VERSION"))
+                .build(),
+            seq: 0,
+            kernel_time,
+            kernel_ns: HashMap::new(),
+            top: Vec::new(),
+            last_top: Instant::now(),
+        }
+    }
+
+    fn run(mut self, rx: &Receiver<Item>, exp: &SpanExp, rt: &tokio::runtime::Handle) {
+        let mut last_export = Instant::now();
+        loop {
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(item) => self.take(item),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+            let now = crate::pipeline::monotonic_ns();
+            self.close_windows(now, false);
+            if self.batch.len() >= BATCH || last_export.elapsed() >= Duration::from_secs(1) {
+                self.export(exp, rt, 3);
+                last_export = Instant::now();
+            }
+        }
+        // Exit: everything still open, one attempt each (the collector may be gone).
+        self.close_windows(u64::MAX, true);
+        self.export(exp, rt, 1);
+    }
+
+    fn export(&mut self, exp: &SpanExp, rt: &tokio::runtime::Handle, attempts: u32) {
+        if self.batch.is_empty() {
+            return;
+        }
+        let batch = std::mem::replace(&mut self.batch, Vec::with_capacity(BATCH));
+        let n = batch.len() as u64;
+        let mut delay = Duration::from_millis(200);
+        for attempt in 1..=attempts {
+            // gRPC runs on the exporter's tokio runtime; the HTTP client blocks and must not.
+            let r = match exp {
+                SpanExp::Grpc(_) => rt.block_on(exp.export(batch.clone())),
+                SpanExp::Http(_) => futures_executor::block_on(exp.export(batch.clone())),
+            };
+            match r {
+                Ok(()) => {
+                    self.counters.spans_exported.fetch_add(n, Ordering::Relaxed);
+                    return;
+                }
+                Err(e) => {
+                    self.counters.trace_failures.fetch_add(1, Ordering::Relaxed);
+                    if attempt == attempts {
+                        eprintln!("gpu-observer: OTLP trace export failed ({e}); {n} spans dropped");
+                        self.counters.spans_dropped.fetch_add(n, Ordering::Relaxed);
+                    } else {
+                        std::thread::sleep(delay);
+                        delay *= 4;
+                    }
+                }
+            }
+        }
+    }
+
+    fn ids(&mut self) -> u64 {
+        self.seq = self.seq.wrapping_add(1);
+        // Unique per run: the sequence under a per-run random high part.
+        self.seq ^ (u64::from(std::process::id()) << 40) ^ (self.clock.mono_ns.rotate_left(17))
+    }
+
+    fn new_span_id(&mut self) -> SpanId {
+        SpanId::from_bytes(self.ids().max(1).to_be_bytes())
+    }
+
+    /// The window for `pid` at `ts`, opening one (and closing the old) as needed; `None` when
+    /// the process is over its span rate.
+    fn window(&mut self, pid: u32, comm: &str, ts: u64) -> Option<(TraceId, SpanId)> {
+        let interval = self.cfg.interval.as_nanos() as u64;
+        if let Some(w) = self.windows.get(&pid)
+            && ts >= w.start_ns + interval
+        {
+            let w = self.windows.remove(&pid).expect("present");
+            self.emit_root(pid, w);
+        }
+        if !self.windows.contains_key(&pid) {
+            let hi = self.ids();
+            let lo = self.ids();
+            let trace_id = TraceId::from_bytes(((u128::from(hi) << 64) | u128::from(lo)).to_be_bytes());
+            let root = self.new_span_id();
+            self.windows.insert(
+                pid,
+                Window {
+                    trace_id,
+                    root,
+                    start_ns: ts,
+                    end_ns: ts,
+                    comm: comm.to_string(),
+                    spans: 0,
+                    budget: self.cfg.max_spans_per_sec,
+                    budget_second: ts / 1_000_000_000,
+                },
+            );
+        }
+        let w = self.windows.get_mut(&pid).expect("present");
+        let second = ts / 1_000_000_000;
+        if second != w.budget_second {
+            w.budget_second = second;
+            w.budget = self.cfg.max_spans_per_sec;
+        }
+        if self.cfg.max_spans_per_sec > 0 {
+            if w.budget == 0 {
+                self.counters.spans_sampled_out.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+            w.budget -= 1;
+        }
+        w.spans += 1;
+        Some((w.trace_id, w.root))
+    }
+
+    fn extend_window(&mut self, pid: u32, end_ns: u64) {
+        if let Some(w) = self.windows.get_mut(&pid) {
+            w.end_ns = w.end_ns.max(end_ns);
+        }
+    }
+
+    fn close_windows(&mut self, now: u64, all: bool) {
+        let interval = self.cfg.interval.as_nanos() as u64;
+        let done: Vec<u32> = self
+            .windows
+            .iter()
+            // A second of slack past the window: events of it may still be in the queue.
+            .filter(|(_, w)| all || now >= w.start_ns + interval + 1_000_000_000)
+            .map(|(pid, _)| *pid)
+            .collect();
+        for pid in done {
+            let w = self.windows.remove(&pid).expect("present");
+            self.emit_root(pid, w);
+        }
+    }
+
+    fn emit_root(&mut self, pid: u32, w: Window) {
+        let mut attrs = (*self.procs.of(pid, &w.comm)).clone();
+        attrs.push(KeyValue::new("gpu_observer.spans", w.spans as i64));
+        let span = self.span(
+            w.trace_id,
+            w.root,
+            SpanId::INVALID,
+            Cow::Owned(format!("process {}", w.comm)),
+            (w.start_ns, w.end_ns.max(w.start_ns)),
+            attrs,
+        );
+        self.batch.push(span);
+    }
+
+    fn span(
+        &self,
+        trace_id: TraceId,
+        span_id: SpanId,
+        parent: SpanId,
+        name: Cow<'static, str>,
+        (start, end): (u64, u64),
+        attributes: Vec<KeyValue>,
+    ) -> SpanData {
+        SpanData {
+            span_context: SpanContext::new(trace_id, span_id, TraceFlags::SAMPLED, false, TraceState::default()),
+            parent_span_id: parent,
+            parent_span_is_remote: false,
+            span_kind: SpanKind::Internal,
+            name,
+            start_time: self.clock.wall(start),
+            end_time: self.clock.wall(end),
+            attributes,
+            dropped_attributes_count: 0,
+            events: SpanEvents::default(),
+            links: SpanLinks::default(),
+            status: Status::Unset,
+            instrumentation_scope: self.scope.clone(),
+        }
+    }
+
+    fn take(&mut self, item: Item) {
+        match item {
+            Item::Event(ev) => self.event(ev),
+            Item::Gpu(a) => self.gpu(&a),
+        }
+    }
+
+    fn event(&mut self, ev: Event) {
+        let comm = ev.comm().to_string();
+        match &ev.body {
+            Body::Ioctl(io) => {
+                let Some((trace, _root)) = self.window(ev.pid, &comm, ev.ts_ns) else {
+                    return;
+                };
+                let mut attrs = vec![
+                    KeyValue::new("thread.id", i64::from(ev.tid)),
+                    KeyValue::new("ioctl.cmd", format!("{:#x}", io.cmd)),
+                    KeyValue::new("ioctl.fd", i64::from(io.fd)),
+                    KeyValue::new("ioctl.ret", io.ret),
+                ];
+                if let Some(n) = io.name {
+                    attrs.push(KeyValue::new("ioctl.name", n));
+                }
+                if let Some(p) = io.parent {
+                    attrs.push(KeyValue::new("gpu.cuda.api", p.name));
+                }
+                let id = self.new_span_id();
+                let name = Cow::Borrowed(io.name.unwrap_or("ioctl"));
+                let end = ev.ts_ns + io.duration_ns;
+                self.extend_window(ev.pid, end);
+                // Parented when its call returns; a launch (entry-only) never does.
+                let span = self.span(trace, id, SpanId::INVALID, name, (ev.ts_ns, end), attrs);
+                if io.parent.is_some_and(|p| p.family != Family::Launch) {
+                    let q = self.ioctls.entry(ev.tid).or_default();
+                    let old = if q.len() == IOCTLS_PER_THREAD {
+                        q.pop_front()
+                    } else {
+                        None
+                    };
+                    q.push_back(PendingIoctl { ts_ns: ev.ts_ns, span });
+                    if let Some(old) = old {
+                        self.orphan(ev.pid, old.span);
+                    }
+                } else {
+                    self.orphan(ev.pid, span);
+                }
+            }
+            Body::Launch(l) => {
+                let Some(api) = ev.api else { return };
+                let Some((trace, root)) = self.window(ev.pid, &comm, ev.ts_ns) else {
+                    return;
+                };
+                let mut attrs = vec![
+                    KeyValue::new("thread.id", i64::from(ev.tid)),
+                    KeyValue::new("gpu.backend", "cuda"),
+                    KeyValue::new(
+                        "gpu.cuda.grid_dim",
+                        format!("[{},{},{}]", l.grid[0], l.grid[1], l.grid[2]),
+                    ),
+                    KeyValue::new(
+                        "gpu.cuda.block_dim",
+                        format!("[{},{},{}]", l.block[0], l.block[1], l.block[2]),
+                    ),
+                    KeyValue::new("gpu.cuda.shared_mem_bytes", i64::from(l.shared_mem_bytes)),
+                    KeyValue::new("gpu.cuda.stream", format!("{:#x}", l.stream)),
+                ];
+                if let Some(k) = &l.kernel {
+                    attrs.push(KeyValue::new("gpu.kernel", k.demangled.to_string()));
+                }
+                let id = self.new_span_id();
+                self.extend_window(ev.pid, ev.ts_ns);
+                let span = self.span(trace, id, root, Cow::Borrowed(api.name), (ev.ts_ns, ev.ts_ns), attrs);
+                self.batch.push(span);
+            }
+            Body::Call(c) => {
+                let Some(api) = ev.api else { return };
+                let family = api.family;
+                let timed = matches!(family, Family::Memcpy | Family::Memset | Family::Sync);
+                let end = ev.ts_ns + c.duration_ns;
+                // Adaptive sampling (seeds 000/003), as for JSON lines.
+                if timed && !self.cfg.trace_all && c.duration_ns < self.cfg.threshold_ns {
+                    self.counters.spans_sampled_out.fetch_add(1, Ordering::Relaxed);
+                    self.drop_ioctls(ev.tid, ev.ts_ns, end);
+                    return;
+                }
+                let Some((trace, root)) = self.window(ev.pid, &comm, ev.ts_ns) else {
+                    self.drop_ioctls(ev.tid, ev.ts_ns, end);
+                    return;
+                };
+                let mut attrs = vec![
+                    KeyValue::new("thread.id", i64::from(ev.tid)),
+                    KeyValue::new("gpu.cuda.result", i64::from(c.result)),
+                    KeyValue::new("gpu.cuda.ioctl_count", i64::from(c.ioctl_count)),
+                ];
+                let is_slow = c.duration_ns >= self.cfg.threshold_ns;
+                if family == Family::Memcpy {
+                    let bytes = c.bytes.unwrap_or(0);
+                    attrs.extend([
+                        KeyValue::new("gpu_transfer.direction", direction_name(c.direction)),
+                        KeyValue::new("gpu_transfer.bytes", bytes as i64),
+                        KeyValue::new("gpu_transfer.duration_us", (c.duration_ns / 1000) as i64),
+                        KeyValue::new(
+                            "gpu_transfer.bandwidth_mbps",
+                            crate::export::bandwidth_mbps(bytes, c.duration_ns),
+                        ),
+                        KeyValue::new("gpu_transfer.is_slow", is_slow),
+                        KeyValue::new("gpu_transfer.threshold_us", (self.cfg.threshold_ns / 1000) as i64),
+                    ]);
+                } else if let Some(b) = c.bytes {
+                    attrs.push(KeyValue::new("gpu.bytes", b as i64));
+                }
+                if timed {
+                    attrs.push(KeyValue::new("gpu.is_slow", is_slow));
+                }
+                let id = self.new_span_id();
+                self.extend_window(ev.pid, end);
+                if c.result != 0 {
+                    attrs.push(KeyValue::new("error.type", format!("CUresult {}", c.result)));
+                }
+                let mut span = self.span(trace, id, root, Cow::Borrowed(api.name), (ev.ts_ns, end), attrs);
+                if c.result != 0 {
+                    span.status = Status::error(format!("CUresult {}", c.result));
+                }
+                self.batch.push(span);
+                // Its ioctls: the ones of this thread inside [entry, return].
+                if let Some(q) = self.ioctls.get_mut(&ev.tid) {
+                    let (mine, rest): (Vec<_>, Vec<_>) =
+                        q.drain(..).partition(|p| p.ts_ns >= ev.ts_ns && p.ts_ns <= end);
+                    q.extend(rest);
+                    for mut p in mine {
+                        p.span.parent_span_id = id;
+                        self.batch.push(p.span);
+                    }
+                }
+            }
+            Body::ProcessExit => {
+                if let Some(w) = self.windows.remove(&ev.pid) {
+                    self.emit_root(ev.pid, w);
+                }
+                self.procs.cache.remove(&ev.pid);
+            }
+            Body::Gpu(_) | Body::GpuName { .. } => {}
+        }
+    }
+
+    /// An ioctl with no call to hang it under: under the window's root.
+    fn orphan(&mut self, pid: u32, mut span: SpanData) {
+        if let Some(w) = self.windows.get(&pid)
+            && w.trace_id == span.span_context.trace_id()
+        {
+            span.parent_span_id = w.root;
+        }
+        self.batch.push(span);
+    }
+
+    fn drop_ioctls(&mut self, tid: u32, start: u64, end: u64) {
+        if let Some(q) = self.ioctls.get_mut(&tid) {
+            q.retain(|p| p.ts_ns < start || p.ts_ns > end);
+        }
+    }
+
+    fn gpu(&mut self, a: &GpuActivity) {
+        let d = a.duration_ns();
+        let comm = {
+            let end = a.comm.iter().position(|&b| b == 0).unwrap_or(a.comm.len());
+            String::from_utf8_lossy(&a.comm[..end]).into_owned()
+        };
+        if let Some(k) = a
+            .kernel
+            .as_ref()
+            .filter(|_| a.kind() == Some(gpu_observer_common::cupti::GpuRecordKind::Kernel))
+        {
+            self.record_kernel(a.pid, &comm, &k.demangled, d);
+        }
+        let is_slow = d >= self.cfg.threshold_ns;
+        if !self.cfg.trace_all && !is_slow {
+            self.counters.spans_sampled_out.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let Some((trace, root)) = self.window(a.pid, &comm, a.rec.start_ns) else {
+            return;
+        };
+        let mut attrs: Vec<KeyValue> = attributes::span_attributes(a, self.cfg.threshold_ns / 1000, is_slow)
+            .into_iter()
+            .map(|(k, v)| KeyValue::new(k, value(v)))
+            .collect();
+        attrs.push(KeyValue::new(
+            "gpu.cuda.correlation_id",
+            i64::from(a.rec.correlation_id),
+        ));
+        if let Some(q) = a.queue_delay_ns() {
+            attrs.push(KeyValue::new("gpu.queue_delay_us", q as f64 / 1e3));
+        }
+        let name = match &a.kernel {
+            Some(k) => Cow::Owned(format!("gpu_kernel {}", k.demangled)),
+            None => Cow::Borrowed(match a.kind() {
+                Some(gpu_observer_common::cupti::GpuRecordKind::Kernel) => "gpu_kernel",
+                Some(gpu_observer_common::cupti::GpuRecordKind::Memset) => "gpu_memset",
+                _ => "gpu_memcpy",
+            }),
+        };
+        let id = self.new_span_id();
+        self.extend_window(a.pid, a.rec.end_ns);
+        let span = self.span(trace, id, root, name, (a.rec.start_ns, a.rec.end_ns), attrs);
+        self.batch.push(span);
+    }
+
+    /// The kernel GPU-time histogram: its label is the kernel's name while it is among the
+    /// `TOP_KERNELS` with the most GPU time, else `other` (bounded cardinality).
+    fn record_kernel(&mut self, pid: u32, comm: &str, name: &str, ns: u64) {
+        let key: Arc<str> = match self.kernel_ns.get_key_value(name) {
+            Some((k, _)) => k.clone(),
+            None if self.kernel_ns.len() < 4096 => Arc::from(name),
+            None => Arc::from("other"),
+        };
+        *self.kernel_ns.entry(key.clone()).or_default() += ns;
+        if self.last_top.elapsed() >= Duration::from_secs(5) || self.top.len() < TOP_KERNELS {
+            let mut all: Vec<(&Arc<str>, &u64)> = self.kernel_ns.iter().collect();
+            all.sort_by(|a, b| b.1.cmp(a.1));
+            self.top = all.into_iter().take(TOP_KERNELS).map(|(k, _)| k.clone()).collect();
+            self.last_top = Instant::now();
+        }
+        let label = if self.top.contains(&key) {
+            key.to_string()
+        } else {
+            "other".to_string()
+        };
+        let mut attrs = (*self.procs.of(pid, comm)).clone();
+        attrs.push(KeyValue::new("gpu.kernel", label));
+        self.kernel_time.record(ns as f64 / 1e9, &attrs);
+    }
+}
+
+fn value(v: attributes::Value) -> Value {
+    match v {
+        attributes::Value::Str(s) => Value::from(s),
+        attributes::Value::Int(i) => Value::I64(i),
+        attributes::Value::Float(f) => Value::F64(f),
+        attributes::Value::Bool(b) => Value::Bool(b),
+    }
+}
+
+/// Whether OTLP export was asked for: the flag, or the standard environment.
+pub fn wanted(endpoint: Option<&str>) -> bool {
+    endpoint.is_some()
+        || [
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+        ]
+        .iter()
+        .any(|v| std::env::var(v).is_ok_and(|s| !s.is_empty()))
+}
+
+/// gRPC unless `--otlp-protocol` or `OTEL_EXPORTER_OTLP_PROTOCOL` says HTTP/protobuf.
+pub fn grpc(flag: Option<&str>) -> Result<bool> {
+    let p = match flag {
+        Some(p) => p.to_string(),
+        None => std::env::var("OTEL_EXPORTER_OTLP_PROTOCOL").unwrap_or_else(|_| "grpc".into()),
+    };
+    match p.as_str() {
+        "grpc" => Ok(true),
+        "http/protobuf" | "http" => Ok(false),
+        other => anyhow::bail!("OTLP protocol `{other}` is not supported: use grpc or http/protobuf"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn container_ids_come_from_the_runtimes_cgroup_paths() {
+        let id = "0123456789abcdef".repeat(4);
+        for cg in [
+            format!(
+                "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1234.slice/cri-containerd-{id}.scope\n"
+            ),
+            format!("0::/system.slice/docker-{id}.scope\n"),
+            format!("12:memory:/kubepods/besteffort/pod99/{id}\n"),
+            format!("0::/kubepods.slice/crio-{id}.scope\n"),
+        ] {
+            assert_eq!(container_id(&cg).as_deref(), Some(id.as_str()), "{cg}");
+        }
+        assert_eq!(container_id("0::/user.slice/user-0.slice/session-1.scope\n"), None);
+    }
+
+    #[test]
+    fn pods_are_named_from_the_kubelets_log_links() {
+        let dir = std::env::temp_dir().join(format!("gpu-observer-k8s-{}", std::process::id()));
+        let (procs, logs) = (dir.join("proc"), dir.join("containers"));
+        let id = "ab".repeat(32);
+        std::fs::create_dir_all(procs.join("42")).unwrap();
+        std::fs::create_dir_all(&logs).unwrap();
+        std::fs::write(
+            procs.join("42/cgroup"),
+            format!("0::/kubepods/pod7/cri-containerd-{id}.scope\n"),
+        )
+        .unwrap();
+        std::fs::write(logs.join(format!("trainer-0_ml_pytorch-{id}.log")), "").unwrap();
+        std::fs::write(logs.join(format!("other_ns_c-{}.log", "cd".repeat(32))), "").unwrap();
+        let got = k8s_attributes(42, &procs, &logs);
+        let get = |k: &str| {
+            got.iter()
+                .find(|kv| kv.key.as_str() == k)
+                .map(|kv| kv.value.to_string())
+        };
+        assert_eq!(get("container.id"), Some(id));
+        assert_eq!(get("k8s.pod.name").as_deref(), Some("trainer-0"));
+        assert_eq!(get("k8s.namespace.name").as_deref(), Some("ml"));
+        assert_eq!(get("k8s.container.name").as_deref(), Some("pytorch"));
+        // Not in a container: nothing.
+        std::fs::create_dir_all(procs.join("43")).unwrap();
+        std::fs::write(procs.join("43/cgroup"), "0::/user.slice\n").unwrap();
+        assert!(k8s_attributes(43, &procs, &logs).is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn http_endpoints_get_the_signal_path_grpc_ones_do_not() {
+        let mut cfg = Config {
+            endpoint: Some("http://collector:4318".into()),
+            grpc: false,
+            interval: Duration::from_secs(1),
+            queue: 1,
+            timeout: Duration::from_secs(1),
+            command_line: false,
+            threshold_ns: 0,
+            trace_all: false,
+            max_spans_per_sec: 0,
+        };
+        assert_eq!(
+            signal_endpoint(&cfg, "/v1/traces").as_deref(),
+            Some("http://collector:4318/v1/traces")
+        );
+        cfg.endpoint = Some("http://c:4318/v1/metrics".into());
+        assert_eq!(
+            signal_endpoint(&cfg, "/v1/metrics").as_deref(),
+            Some("http://c:4318/v1/metrics")
+        );
+        cfg.grpc = true;
+        cfg.endpoint = Some("http://c:4317".into());
+        assert_eq!(signal_endpoint(&cfg, "/v1/traces").as_deref(), Some("http://c:4317"));
+        assert!(grpc(Some("http/protobuf")).is_ok_and(|g| !g));
+        assert!(grpc(Some("http/json")).is_err());
+    }
+}

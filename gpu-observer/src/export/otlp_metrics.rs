@@ -1,0 +1,273 @@
+//! The OTLP metrics: observable instruments read, at each export, from the state the agent
+//! keeps anyway (per-process totals in the correlator, the NVML hub, the agent's counters),
+//! so metrics cost nothing per event. Names: OpenTelemetry's `hw.gpu.*` for devices,
+//! `gpu.cuda.*` per process, `gpu_observer.*` for the agent itself (deploy/README.md lists
+//! them with their Prometheus names).
+
+use std::sync::{Arc, atomic::Ordering};
+
+use opentelemetry::{
+    KeyValue,
+    metrics::{Histogram, MeterProvider as _},
+};
+use opentelemetry_sdk::metrics::SdkMeterProvider;
+
+use super::otlp::Counters;
+use crate::{
+    correlate::{DIRECTIONS, direction_name},
+    pipeline::Shared,
+    sample::Hub,
+};
+
+/// Process attributes for data points (without the cgroup lookups spans get: metrics are read
+/// under the correlator's lock).
+fn proc_attrs(pid: u32, comm: &str) -> Vec<KeyValue> {
+    vec![
+        KeyValue::new("process.pid", i64::from(pid)),
+        KeyValue::new("process.executable.name", comm.to_string()),
+    ]
+}
+
+/// Hands a value and its attributes to the instrument.
+type Observe<'a> = &'a mut dyn FnMut(f64, Vec<KeyValue>);
+/// What a process or a device contributes to one instrument.
+type FromProcess = fn(&crate::correlate::Process, Observe<'_>);
+type FromDevice = fn(&crate::sample::DeviceSample, Observe<'_>);
+
+fn with(mut v: Vec<KeyValue>, kv: KeyValue) -> Vec<KeyValue> {
+    v.push(kv);
+    v
+}
+
+/// Registers every instrument; returns the kernel GPU-time histogram the span thread records.
+pub fn register(
+    meters: &SdkMeterProvider,
+    shared: &Arc<Shared>,
+    hub: &Arc<Hub>,
+    counters: &Arc<Counters>,
+    _command_line: bool,
+) -> Histogram<f64> {
+    let m = meters.meter("gpu-observer");
+
+    // Per process, from the correlator's totals.
+    let per_proc = |name: &'static str, unit: &'static str, desc: &'static str, f: FromProcess| {
+        let s = shared.clone();
+        m.f64_observable_counter(name)
+            .with_unit(unit)
+            .with_description(desc)
+            .with_callback(move |obs| {
+                let corr = s.corr.lock().expect("correlator lock");
+                for p in corr.procs.values() {
+                    f(p, &mut |v, attrs| obs.observe(v, &attrs));
+                }
+            })
+            .build()
+    };
+    per_proc(
+        "gpu.cuda.launches",
+        "{launch}",
+        "Kernel launches (every launch API)",
+        |p, o| o(p.stats.launches as f64, proc_attrs(p.pid, &p.comm)),
+    );
+    per_proc("gpu.cuda.memcpy.bytes", "By", "Bytes copied, by direction", |p, o| {
+        for d in DIRECTIONS {
+            let a = p.stats.copy(d);
+            let kv = KeyValue::new("gpu_transfer.direction", direction_name(d));
+            o(a.bytes as f64, with(proc_attrs(p.pid, &p.comm), kv));
+        }
+    });
+    per_proc(
+        "gpu.cuda.memcpy.duration",
+        "s",
+        "CPU time in copy calls, by direction",
+        |p, o| {
+            for d in DIRECTIONS {
+                let a = p.stats.copy(d);
+                let kv = KeyValue::new("gpu_transfer.direction", direction_name(d));
+                o(a.ns as f64 / 1e9, with(proc_attrs(p.pid, &p.comm), kv));
+            }
+        },
+    );
+    per_proc(
+        "gpu.cuda.sync.duration",
+        "s",
+        "Time blocked in synchronizations, summed over threads",
+        |p, o| o(p.stats.syncs.ns as f64 / 1e9, proc_attrs(p.pid, &p.comm)),
+    );
+    per_proc("gpu.cuda.ioctl.count", "{ioctl}", "nvidia ioctls", |p, o| {
+        o(p.stats.ioctls.count as f64, proc_attrs(p.pid, &p.comm))
+    });
+    per_proc("gpu.cuda.ioctl.duration", "s", "Time in nvidia ioctls", |p, o| {
+        o(p.stats.ioctls.ns as f64 / 1e9, proc_attrs(p.pid, &p.comm))
+    });
+    {
+        let s = shared.clone();
+        m.f64_observable_gauge("gpu.cuda.memory.outstanding")
+            .with_unit("By")
+            .with_description("Device, managed and pinned host memory allocated and not freed")
+            .with_callback(move |obs| {
+                let corr = s.corr.lock().expect("correlator lock");
+                for p in corr.procs.values().filter(|p| !p.exited) {
+                    obs.observe(p.stats.outstanding_bytes() as f64, &proc_attrs(p.pid, &p.comm));
+                }
+            })
+            .build();
+    }
+
+    // Devices, from the NVML hub's latest samples.
+    let per_gpu = |name: &'static str, unit: &'static str, counter: bool, f: FromDevice| {
+        let h = hub.clone();
+        let cb = move |obs: &dyn opentelemetry::metrics::AsyncInstrument<f64>| {
+            let hub = h.lock();
+            for (d, s) in hub.latest() {
+                let Some(s) = s else { continue };
+                let base = vec![
+                    KeyValue::new("hw.id", d.uuid.clone().unwrap_or_default()),
+                    KeyValue::new("hw.name", d.name.clone()),
+                    KeyValue::new("gpu.index", i64::from(d.index)),
+                ];
+                f(s, &mut |v, extra| {
+                    let mut a = base.clone();
+                    a.extend(extra);
+                    obs.observe(v, &a);
+                });
+            }
+        };
+        if counter {
+            m.f64_observable_counter(name).with_unit(unit).with_callback(cb).build();
+        } else {
+            m.f64_observable_gauge(name).with_unit(unit).with_callback(cb).build();
+        }
+    };
+    per_gpu("hw.gpu.utilization", "1", false, |s, o| {
+        for (task, v) in [
+            ("general", s.util_gpu),
+            ("encoder", s.util_encoder),
+            ("decoder", s.util_decoder),
+        ] {
+            if let Some(v) = v {
+                o(f64::from(v) / 100.0, vec![KeyValue::new("hw.gpu.task", task)]);
+            }
+        }
+    });
+    per_gpu("hw.gpu.memory.usage", "By", false, |s, o| {
+        if let Some(v) = s.memory_used {
+            o(v as f64, vec![]);
+        }
+    });
+    per_gpu("hw.gpu.memory.limit", "By", false, |s, o| {
+        if let Some(v) = s.memory_total {
+            o(v as f64, vec![]);
+        }
+    });
+    per_gpu("hw.gpu.memory.utilization", "1", false, |s, o| {
+        if let (Some(u), Some(t)) = (s.memory_used, s.memory_total.filter(|&t| t > 0)) {
+            o(u as f64 / t as f64, vec![]);
+        }
+    });
+    per_gpu("hw.power", "W", false, |s, o| {
+        if let Some(mw) = s.power_mw {
+            o(f64::from(mw) / 1000.0, vec![KeyValue::new("hw.type", "gpu")]);
+        }
+    });
+    per_gpu("hw.temperature", "Cel", false, |s, o| {
+        if let Some(c) = s.temperature_c {
+            o(f64::from(c), vec![KeyValue::new("hw.type", "gpu")]);
+        }
+    });
+    per_gpu("hw.gpu.io", "By", true, |s, o| {
+        for (dir, v) in [("transmit", s.io_tx_bytes), ("receive", s.io_rx_bytes)] {
+            if let Some(v) = v {
+                o(v as f64, vec![KeyValue::new("network.io.direction", dir)]);
+            }
+        }
+    });
+    per_gpu("hw.gpu.pcie.link.width", "{lane}", false, |s, o| {
+        if let Some(v) = s.link.width {
+            o(f64::from(v), vec![]);
+        }
+    });
+    per_gpu("hw.gpu.pcie.link.generation", "1", false, |s, o| {
+        if let Some(v) = s.link.generation {
+            o(f64::from(v), vec![]);
+        }
+    });
+    per_gpu("hw.errors", "{error}", true, |s, o| {
+        for (kind, v) in [
+            ("ecc_corrected", s.ecc_corrected),
+            ("ecc_uncorrected", s.ecc_uncorrected),
+            ("xid", s.xid_errors),
+        ] {
+            if let Some(v) = v {
+                o(
+                    v as f64,
+                    vec![KeyValue::new("error.type", kind), KeyValue::new("hw.type", "gpu")],
+                );
+            }
+        }
+    });
+
+    // The agent itself.
+    {
+        let s = shared.clone();
+        m.u64_observable_counter("gpu_observer.events")
+            .with_unit("{event}")
+            .with_callback(move |obs| obs.observe(s.corr.lock().expect("correlator lock").events, &[]))
+            .build();
+    }
+    {
+        let s = shared.clone();
+        m.u64_observable_counter("gpu_observer.dropped")
+            .with_unit("{record}")
+            .with_description("Records the ring buffer had no room for, by kind")
+            .with_callback(move |obs| {
+                for (kind, n) in s.agent.lock().expect("agent stats lock").drops.iter() {
+                    obs.observe(*n, &[KeyValue::new("kind", *kind)]);
+                }
+            })
+            .build();
+    }
+    {
+        let s = shared.clone();
+        m.u64_observable_counter("gpu_observer.attach.failures")
+            .with_unit("{library}")
+            .with_callback(move |obs| obs.observe(s.agent.lock().expect("agent stats lock").attach_failures, &[]))
+            .build();
+    }
+    {
+        let c = counters.clone();
+        m.u64_observable_counter("gpu_observer.export.failures")
+            .with_unit("{export}")
+            .with_callback(move |obs| {
+                obs.observe(
+                    c.trace_failures.load(Ordering::Relaxed),
+                    &[KeyValue::new("signal", "traces")],
+                );
+                obs.observe(
+                    c.metric_failures.load(Ordering::Relaxed),
+                    &[KeyValue::new("signal", "metrics")],
+                );
+            })
+            .build();
+    }
+    {
+        let c = counters.clone();
+        m.u64_observable_counter("gpu_observer.export.dropped")
+            .with_unit("{span}")
+            .with_callback(move |obs| {
+                obs.observe(
+                    c.spans_dropped.load(Ordering::Relaxed),
+                    &[KeyValue::new("signal", "traces")],
+                )
+            })
+            .build();
+    }
+
+    m.f64_histogram("gpu.cuda.kernel.duration")
+        .with_unit("s")
+        .with_description("GPU time of kernels (CUPTI), by kernel: the top 20 by GPU time, the rest `other`")
+        .with_boundaries(vec![
+            1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0,
+        ])
+        .build()
+}

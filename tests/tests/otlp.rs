@@ -1,0 +1,243 @@
+//! Issue 6: OTLP export end to end. The agent observes a fake-libcuda workload with exactly
+//! known calls (and a fake NVML) and exports over gRPC or HTTP/protobuf to an in-process
+//! receiver, which must get exactly the spans and metrics those calls make; with the
+//! collector down, the agent must run on, count what it could not send, and exit on time.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    time::{Duration, Instant},
+};
+
+use gpu_observer_tests::{
+    otlp::{Receiver, attr, points},
+    *,
+};
+use serde_json::Value;
+
+fn fake_nvml() -> String {
+    fixtures().join("nvml/libnvidia-ml.so.1").display().to_string()
+}
+
+/// Runs the workload's scripted calls under an agent exporting to `endpoint`.
+fn run_exported(name: &str, endpoint: &str, protocol: &str) -> (Captured, Vec<Value>, u32) {
+    let dir = scratch(name);
+    let lib = fresh_lib(&dir, "libcuda.so.1");
+    let mut w = Workload::start();
+    w.cmd(&format!("load {}", lib.display()));
+    let nvml = fake_nvml();
+    let agent = Agent::start(
+        &dir,
+        &[
+            "--pid",
+            &w.pid.to_string(),
+            "--otlp-endpoint",
+            endpoint,
+            "--otlp-protocol",
+            protocol,
+            "--otlp-interval-ms",
+            "500",
+            "--otlp-max-spans-per-sec",
+            "0",
+            "--nvml-lib",
+            &nvml,
+        ],
+    );
+    agent.wait_stderr("attached", Duration::from_secs(10));
+    let exp = dir.join("expected.jsonl");
+    w.cmd(&format!("run 1 1 {}", exp.display()));
+    let pid = w.pid;
+    w.exit();
+    let cap = agent.finish();
+    assert!(cap.status.success(), "{:?}", cap.stderr);
+    (cap, expected_calls(&exp), pid)
+}
+
+/// API spans by name, ioctl spans, and the roots, of one process.
+fn check_spans(rx: &Receiver, cap: &Captured, expected: &[Value], pid: u32) {
+    let spans = rx.spans();
+    assert!(!spans.is_empty(), "no spans received");
+    let (res, _) = &spans[0];
+    assert_eq!(attr(res, "service.name").as_deref(), Some("gpu-observer"));
+    assert!(attr(res, "gpu.tracing.backends").is_some_and(|b| b.contains("uprobes")));
+    assert!(attr(res, "host.name").is_some());
+
+    let roots: HashMap<Vec<u8>, &opentelemetry_proto::tonic::trace::v1::Span> = spans
+        .iter()
+        .map(|(_, s)| s)
+        .filter(|s| s.parent_span_id.is_empty())
+        .map(|s| (s.span_id.clone(), s))
+        .collect();
+    for r in roots.values() {
+        assert_eq!(r.name, "process cuda_workload");
+        assert_eq!(attr(&r.attributes, "process.pid"), Some(pid.to_string()));
+    }
+    let is_ioctl = |s: &opentelemetry_proto::tonic::trace::v1::Span| attr(&s.attributes, "ioctl.cmd").is_some();
+    // One span per call the workload made, named by its entry point, under its window's root.
+    let mut got: BTreeMap<String, usize> = BTreeMap::new();
+    let by_id: HashMap<Vec<u8>, &opentelemetry_proto::tonic::trace::v1::Span> =
+        spans.iter().map(|(_, s)| (s.span_id.clone(), s)).collect();
+    for (_, s) in spans
+        .iter()
+        .filter(|(_, s)| !s.parent_span_id.is_empty() && !is_ioctl(s))
+    {
+        *got.entry(s.name.clone()).or_default() += 1;
+        let root = roots.get(&s.parent_span_id).expect("API span under a root");
+        assert_eq!(root.trace_id, s.trace_id);
+        assert!(s.start_time_unix_nano >= root.start_time_unix_nano && s.end_time_unix_nano <= root.end_time_unix_nano);
+    }
+    let mut want: BTreeMap<String, usize> = BTreeMap::new();
+    for e in expected {
+        *want.entry(e["api"].as_str().unwrap().to_string()).or_default() += 1;
+    }
+    // cuInit is not part of the scripted run's record but the agent saw it (load + init).
+    let observed_extra: BTreeMap<String, usize> = got
+        .iter()
+        .filter(|(k, _)| !want.contains_key(*k))
+        .map(|(k, v)| (k.clone(), *v))
+        .collect();
+    let got_scripted: BTreeMap<String, usize> = got.into_iter().filter(|(k, _)| want.contains_key(k)).collect();
+    assert_eq!(got_scripted, want, "spans per entry point vs the calls made");
+    let jsonl_extra = cap
+        .events
+        .iter()
+        .filter(|e| e["pid"] == pid && e["api"].is_string() && is_event(e) && e["type"] != "ioctl")
+        .filter(|e| !want.contains_key(e["api"].as_str().unwrap()))
+        .count();
+    assert_eq!(
+        observed_extra.values().sum::<usize>(),
+        jsonl_extra,
+        "{observed_extra:?}"
+    );
+
+    // Every ioctl the agent saw, as a span; those made inside a returning call under it.
+    let ioctls: Vec<&opentelemetry_proto::tonic::trace::v1::Span> =
+        spans.iter().map(|(_, s)| s).filter(|s| is_ioctl(s)).collect();
+    let jsonl_ioctls = cap.count(|e| e["type"] == "ioctl" && e["pid"] == pid);
+    assert!(jsonl_ioctls > 0);
+    assert_eq!(ioctls.len(), jsonl_ioctls);
+    let mut under_calls = 0;
+    for io in &ioctls {
+        let parent = by_id.get(&io.parent_span_id).expect("ioctl span has a parent");
+        if !parent.parent_span_id.is_empty() {
+            // Under a call: inside it, on its thread.
+            assert!(io.start_time_unix_nano >= parent.start_time_unix_nano);
+            assert!(io.start_time_unix_nano <= parent.end_time_unix_nano);
+            assert_eq!(attr(&io.attributes, "thread.id"), attr(&parent.attributes, "thread.id"));
+            assert_eq!(
+                attr(&io.attributes, "gpu.cuda.api").as_deref(),
+                Some(parent.name.as_str())
+            );
+            under_calls += 1;
+        }
+    }
+    let in_returning_calls = cap.count(|e| {
+        e["type"] == "ioctl"
+            && e["pid"] == pid
+            && e["parent_api"]
+                .as_str()
+                .is_some_and(|a| !a.starts_with("cuLaunch") && !a.starts_with("cuGraphLaunch"))
+    });
+    assert_eq!(under_calls, in_returning_calls);
+}
+
+/// The per-process metrics equal the agent's own totals; NVML's come from the fake.
+fn check_metrics(rx: &Receiver, cap: &Captured, pid: u32) {
+    let summary = cap.process_summary(pid);
+    let of_pid = |name: &str| -> Vec<(Vec<opentelemetry_proto::tonic::common::v1::KeyValue>, f64)> {
+        let (_, m) = rx.metric(name).unwrap_or_else(|| panic!("no metric {name}"));
+        points(&m)
+            .into_iter()
+            .filter(|(a, _)| attr(a, "process.pid") == Some(pid.to_string()))
+            .collect()
+    };
+    let launches = of_pid("gpu.cuda.launches");
+    assert_eq!(launches.len(), 1);
+    assert_eq!(launches[0].1, summary["launches"].as_f64().unwrap());
+    for (a, v) in of_pid("gpu.cuda.memcpy.bytes") {
+        let dir = attr(&a, "gpu_transfer.direction").unwrap();
+        assert_eq!(v, summary["memcpy"][&dir]["bytes"].as_f64().unwrap(), "{dir}");
+    }
+    let sync = of_pid("gpu.cuda.sync.duration");
+    assert_eq!(sync[0].1, summary["sync"]["duration_ns"].as_f64().unwrap() / 1e9);
+    let ioctls = of_pid("gpu.cuda.ioctl.count");
+    assert_eq!(ioctls[0].1, summary["ioctl"]["count"].as_f64().unwrap());
+
+    let (res, util) = rx.metric("hw.gpu.utilization").expect("NVML metrics");
+    assert_eq!(attr(&res, "gpu.driver.version").as_deref(), Some("580.65.06"));
+    let general: Vec<_> = points(&util)
+        .into_iter()
+        .filter(|(a, _)| attr(a, "hw.gpu.task").as_deref() == Some("general"))
+        .map(|(a, _)| attr(&a, "hw.id").unwrap())
+        .collect();
+    assert_eq!(general.len(), 2, "both fake GPUs");
+    let (_, limit) = rx.metric("hw.gpu.memory.limit").unwrap();
+    let l: HashMap<String, f64> = points(&limit)
+        .into_iter()
+        .map(|(a, v)| (attr(&a, "hw.id").unwrap(), v))
+        .collect();
+    assert_eq!(l["GPU-fake-0000"], (80u64 << 30) as f64);
+    assert_eq!(l["GPU-fake-0001"], (96u64 << 30) as f64);
+    let (_, events) = rx.metric("gpu_observer.events").unwrap();
+    assert_eq!(points(&events)[0].1, cap.total()["events"].as_f64().unwrap());
+
+    let o = &cap.total()["otlp"];
+    assert_eq!(o["spans_dropped"], 0, "{o}");
+    assert_eq!(o["trace_export_failures"], 0, "{o}");
+    assert_eq!(
+        o["spans_exported"].as_u64(),
+        Some(rx.spans().len() as u64),
+        "{o} {:?}",
+        cap.stderr
+    );
+    assert!(o["metric_exports"].as_u64().unwrap() >= 1, "{o}");
+}
+
+#[test]
+fn grpc_export_carries_every_call_its_ioctls_and_the_metrics() {
+    let _g = serial();
+    require_root();
+    let rx = Receiver::grpc();
+    let (cap, expected, pid) = run_exported("otlp-grpc", &rx.endpoint(), "grpc");
+    check_spans(&rx, &cap, &expected, pid);
+    check_metrics(&rx, &cap, pid);
+}
+
+#[test]
+fn http_protobuf_export_carries_the_same() {
+    let _g = serial();
+    require_root();
+    let rx = Receiver::http();
+    let (cap, expected, pid) = run_exported("otlp-http", &rx.endpoint(), "http/protobuf");
+    check_spans(&rx, &cap, &expected, pid);
+    check_metrics(&rx, &cap, pid);
+}
+
+#[test]
+fn a_collector_that_is_down_costs_counted_drops_and_nothing_else() {
+    let _g = serial();
+    require_root();
+    // A port nothing listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let start = Instant::now();
+    let (cap, expected, pid) = run_exported("otlp-down", &format!("http://127.0.0.1:{port}"), "grpc");
+    // The agent's own output is whole, and it finished on time.
+    let got = cap.count(|e| {
+        e["pid"] == pid && is_event(e) && e["api"].is_string() && expected.iter().any(|x| x["api"] == e["api"])
+    });
+    assert_eq!(got, expected.len());
+    assert!(start.elapsed() < Duration::from_secs(40), "{:?}", start.elapsed());
+    let o = &cap.total()["otlp"];
+    assert_eq!(o["spans_exported"], 0, "{o}");
+    assert!(o["spans_dropped"].as_u64().unwrap() > 0, "{o}");
+    assert!(o["trace_export_failures"].as_u64().unwrap() >= 1, "{o}");
+    assert!(o["metric_export_failures"].as_u64().unwrap() >= 1, "{o}");
+    assert!(
+        cap.stderr.iter().any(|l| l.contains("OTLP trace export failed")),
+        "{:?}",
+        cap.stderr
+    );
+}
