@@ -70,13 +70,23 @@ impl Receiver {
 
     /// A gRPC receiver on a free port.
     pub fn grpc() -> Receiver {
+        Self::grpc_on(0)
+    }
+
+    /// An HTTP/protobuf receiver on a free port.
+    pub fn http() -> Receiver {
+        Self::http_on(0)
+    }
+
+    /// A gRPC receiver on `port` (0: a free one).
+    pub fn grpc_on(port: u16) -> Receiver {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
             .build()
             .unwrap();
         let got = Received::default();
-        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let listener = rt.block_on(tokio::net::TcpListener::bind(("127.0.0.1", port))).unwrap();
         let addr = listener.local_addr().unwrap();
         let (t, m) = (got.clone(), got.clone());
         rt.spawn(async move {
@@ -94,9 +104,9 @@ impl Receiver {
         }
     }
 
-    /// An HTTP/protobuf receiver (`/v1/traces`, `/v1/metrics`) on a free port.
-    pub fn http() -> Receiver {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    /// An HTTP/protobuf receiver (`/v1/traces`, `/v1/metrics`) on `port` (0: a free one).
+    pub fn http_on(port: u16) -> Receiver {
+        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
         let addr = listener.local_addr().unwrap();
         let got = Received::default();
         let g = got.clone();
@@ -219,4 +229,16 @@ pub fn points(m: &Metric) -> Vec<(Vec<KeyValue>, f64)> {
             (p.attributes.clone(), v)
         })
         .collect()
+}
+
+/// (attributes, count, sum) of every histogram data point.
+pub fn histogram_points(m: &Metric) -> Vec<(Vec<KeyValue>, u64, f64)> {
+    match &m.data {
+        Some(Data::Histogram(h)) => h
+            .data_points
+            .iter()
+            .map(|p| (p.attributes.clone(), p.count, p.sum.unwrap_or(0.0)))
+            .collect(),
+        _ => Vec::new(),
+    }
 }

@@ -164,6 +164,7 @@ fn check_metrics(rx: &Receiver, cap: &Captured, pid: u32) {
 
     let (res, util) = rx.metric("hw.gpu.utilization").expect("NVML metrics");
     assert_eq!(attr(&res, "gpu.driver.version").as_deref(), Some("580.65.06"));
+    assert_eq!(attr(&res, "gpu.cuda.driver.version").as_deref(), Some("13.0"));
     let general: Vec<_> = points(&util)
         .into_iter()
         .filter(|(a, _)| attr(a, "hw.gpu.task").as_deref() == Some("general"))

@@ -201,7 +201,7 @@ fn hostname() -> String {
 }
 
 /// Resource: who exports. `OTEL_SERVICE_NAME` / `OTEL_RESOURCE_ATTRIBUTES` are read by the SDK.
-fn resource(backends: &str, driver: Option<String>) -> Resource {
+fn resource(backends: &str, driver: Option<String>, cuda: Option<String>) -> Resource {
     let mut attrs = vec![
         KeyValue::new("host.name", hostname()),
         KeyValue::new("gpu.tracing.backends", backends.to_string()),
@@ -213,6 +213,9 @@ fn resource(backends: &str, driver: Option<String>) -> Resource {
     }
     if let Some(d) = driver {
         attrs.push(KeyValue::new("gpu.driver.version", d));
+    }
+    if let Some(c) = cuda {
+        attrs.push(KeyValue::new("gpu.cuda.driver.version", c));
     }
     let mut b = Resource::builder();
     if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
@@ -264,14 +267,28 @@ fn container_id(cgroup: &str) -> Option<String> {
     None
 }
 
-/// Attributes of a process, computed once per pid.
-struct ProcAttrs {
+/// Attributes of a process (pid, executable, command line when asked, Kubernetes identity),
+/// computed once per pid; shared by the span thread and the metric callbacks.
+pub struct ProcAttrs {
     cache: HashMap<u32, Arc<Vec<KeyValue>>>,
     command_line: bool,
 }
 
+pub type SharedProcAttrs = Arc<std::sync::Mutex<ProcAttrs>>;
+
 impl ProcAttrs {
-    fn of(&mut self, pid: u32, comm: &str) -> Arc<Vec<KeyValue>> {
+    pub fn new(command_line: bool) -> SharedProcAttrs {
+        Arc::new(std::sync::Mutex::new(Self {
+            cache: HashMap::new(),
+            command_line,
+        }))
+    }
+
+    pub fn forget(&mut self, pid: u32) {
+        self.cache.remove(&pid);
+    }
+
+    pub fn of(&mut self, pid: u32, comm: &str) -> Arc<Vec<KeyValue>> {
         if self.cache.len() > 4096 {
             self.cache.clear();
         }
@@ -358,8 +375,13 @@ pub fn start(cfg: Config, shared: Arc<Shared>, hub: Arc<Hub>, backends: &str) ->
         .build()
         .context("cannot start the OTLP runtime")?;
     let _guard = rt.enter();
-    let driver = hub.lock().devices.first().and_then(|d| d.driver_version.clone());
-    let res = resource(backends, driver);
+    let (driver, cuda) = hub
+        .lock()
+        .devices
+        .first()
+        .map(|d| (d.driver_version.clone(), d.cuda_driver_version.clone()))
+        .unwrap_or_default();
+    let res = resource(backends, driver, cuda);
     let protocol = if cfg.grpc { Protocol::Grpc } else { Protocol::HttpBinary };
     let spans = {
         let b = opentelemetry_otlp::SpanExporter::builder();
@@ -412,13 +434,14 @@ pub fn start(cfg: Config, shared: Arc<Shared>, hub: Arc<Hub>, backends: &str) ->
             .with_reader(reader)
             .build()
     };
-    let kernel_time = super::otlp_metrics::register(&meters, &shared, &hub, &counters, cfg.command_line);
+    let procs = ProcAttrs::new(cfg.command_line);
+    let kernel_time = super::otlp_metrics::register(&meters, &shared, &hub, &counters, &procs);
     let (tx, rx) = sync_channel(cfg.queue);
     let handle = rt.handle().clone();
     let c = counters.clone();
     let thread = std::thread::Builder::new()
         .name("otlp-export".into())
-        .spawn(move || Spans::new(cfg, c, kernel_time).run(&rx, &spans, &handle))?;
+        .spawn(move || Spans::new(cfg, c, kernel_time, procs).run(&rx, &spans, &handle))?;
     drop(_guard);
     Ok(Otlp {
         tx: Some(tx),
@@ -475,7 +498,7 @@ struct Spans {
     windows: HashMap<u32, Window>,
     ioctls: HashMap<u32, VecDeque<PendingIoctl>>,
     batch: Vec<SpanData>,
-    procs: ProcAttrs,
+    procs: SharedProcAttrs,
     scope: InstrumentationScope,
     seq: u64,
     kernel_time: Histogram<f64>,
@@ -486,8 +509,7 @@ struct Spans {
 }
 
 impl Spans {
-    fn new(cfg: Config, counters: Arc<Counters>, kernel_time: Histogram<f64>) -> Self {
-        let command_line = cfg.command_line;
+    fn new(cfg: Config, counters: Arc<Counters>, kernel_time: Histogram<f64>, procs: SharedProcAttrs) -> Self {
         Self {
             cfg,
             counters,
@@ -495,10 +517,7 @@ impl Spans {
             windows: HashMap::new(),
             ioctls: HashMap::new(),
             batch: Vec::with_capacity(BATCH),
-            procs: ProcAttrs {
-                cache: HashMap::new(),
-                command_line,
-            },
+            procs,
             scope: InstrumentationScope::builder("gpu-observer")
                 .with_version(env!("CARGO_PKG_VERSION"))
                 .build(),
@@ -640,7 +659,7 @@ impl Spans {
     }
 
     fn emit_root(&mut self, pid: u32, w: Window) {
-        let mut attrs = (*self.procs.of(pid, &w.comm)).clone();
+        let mut attrs = (*self.procs.lock().expect("process attributes lock").of(pid, &w.comm)).clone();
         attrs.push(KeyValue::new("gpu_observer.spans", w.spans as i64));
         let span = self.span(
             w.trace_id,
@@ -818,7 +837,7 @@ impl Spans {
                 if let Some(w) = self.windows.remove(&ev.pid) {
                     self.emit_root(ev.pid, w);
                 }
-                self.procs.cache.remove(&ev.pid);
+                self.procs.lock().expect("process attributes lock").forget(ev.pid);
             }
             Body::Gpu(_) | Body::GpuName { .. } => {}
         }
@@ -906,7 +925,7 @@ impl Spans {
         } else {
             "other".to_string()
         };
-        let mut attrs = (*self.procs.of(pid, comm)).clone();
+        let mut attrs = (*self.procs.lock().expect("process attributes lock").of(pid, comm)).clone();
         attrs.push(KeyValue::new("gpu.kernel", label));
         self.kernel_time.record(ns as f64 / 1e9, &attrs);
     }

@@ -12,26 +12,17 @@ use opentelemetry::{
 };
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 
-use super::otlp::Counters;
+use super::otlp::{Counters, SharedProcAttrs};
 use crate::{
     correlate::{DIRECTIONS, direction_name},
     pipeline::Shared,
     sample::Hub,
 };
 
-/// Process attributes for data points (without the cgroup lookups spans get: metrics are read
-/// under the correlator's lock).
-fn proc_attrs(pid: u32, comm: &str) -> Vec<KeyValue> {
-    vec![
-        KeyValue::new("process.pid", i64::from(pid)),
-        KeyValue::new("process.executable.name", comm.to_string()),
-    ]
-}
-
 /// Hands a value and its attributes to the instrument.
 type Observe<'a> = &'a mut dyn FnMut(f64, Vec<KeyValue>);
 /// What a process or a device contributes to one instrument.
-type FromProcess = fn(&crate::correlate::Process, Observe<'_>);
+type FromProcess = fn(&crate::correlate::Process, Vec<KeyValue>, Observe<'_>);
 type FromDevice = fn(&crate::sample::DeviceSample, Observe<'_>);
 
 fn with(mut v: Vec<KeyValue>, kv: KeyValue) -> Vec<KeyValue> {
@@ -45,20 +36,32 @@ pub fn register(
     shared: &Arc<Shared>,
     hub: &Arc<Hub>,
     counters: &Arc<Counters>,
-    _command_line: bool,
+    procs: &SharedProcAttrs,
 ) -> Histogram<f64> {
     let m = meters.meter("gpu-observer");
 
     // Per process, from the correlator's totals.
     let per_proc = |name: &'static str, unit: &'static str, desc: &'static str, f: FromProcess| {
-        let s = shared.clone();
+        let (s, pa) = (shared.clone(), procs.clone());
         m.f64_observable_counter(name)
             .with_unit(unit)
             .with_description(desc)
             .with_callback(move |obs| {
-                let corr = s.corr.lock().expect("correlator lock");
-                for p in corr.procs.values() {
-                    f(p, &mut |v, attrs| obs.observe(v, &attrs));
+                // Values under the correlator's lock; process attributes (files in /proc) after.
+                let mut values: Vec<(u32, String, f64, Vec<KeyValue>)> = Vec::new();
+                {
+                    let corr = s.corr.lock().expect("correlator lock");
+                    for p in corr.procs.values() {
+                        f(p, Vec::new(), &mut |v, extra| {
+                            values.push((p.pid, p.comm.clone(), v, extra))
+                        });
+                    }
+                }
+                let mut pa = pa.lock().expect("process attributes lock");
+                for (pid, comm, v, extra) in values {
+                    let mut a = (*pa.of(pid, &comm)).clone();
+                    a.extend(extra);
+                    obs.observe(v, &a);
                 }
             })
             .build()
@@ -67,24 +70,27 @@ pub fn register(
         "gpu.cuda.launches",
         "{launch}",
         "Kernel launches (every launch API)",
-        |p, o| o(p.stats.launches as f64, proc_attrs(p.pid, &p.comm)),
+        |p, a, o| o(p.stats.launches as f64, a),
     );
-    per_proc("gpu.cuda.memcpy.bytes", "By", "Bytes copied, by direction", |p, o| {
-        for d in DIRECTIONS {
-            let a = p.stats.copy(d);
-            let kv = KeyValue::new("gpu_transfer.direction", direction_name(d));
-            o(a.bytes as f64, with(proc_attrs(p.pid, &p.comm), kv));
-        }
-    });
+    per_proc(
+        "gpu.cuda.memcpy.bytes",
+        "By",
+        "Bytes copied, by direction",
+        |p, a, o| {
+            for d in DIRECTIONS {
+                let kv = KeyValue::new("gpu_transfer.direction", direction_name(d));
+                o(p.stats.copy(d).bytes as f64, with(a.clone(), kv));
+            }
+        },
+    );
     per_proc(
         "gpu.cuda.memcpy.duration",
         "s",
         "CPU time in copy calls, by direction",
-        |p, o| {
+        |p, a, o| {
             for d in DIRECTIONS {
-                let a = p.stats.copy(d);
                 let kv = KeyValue::new("gpu_transfer.direction", direction_name(d));
-                o(a.ns as f64 / 1e9, with(proc_attrs(p.pid, &p.comm), kv));
+                o(p.stats.copy(d).ns as f64 / 1e9, with(a.clone(), kv));
             }
         },
     );
@@ -92,23 +98,31 @@ pub fn register(
         "gpu.cuda.sync.duration",
         "s",
         "Time blocked in synchronizations, summed over threads",
-        |p, o| o(p.stats.syncs.ns as f64 / 1e9, proc_attrs(p.pid, &p.comm)),
+        |p, a, o| o(p.stats.syncs.ns as f64 / 1e9, a),
     );
-    per_proc("gpu.cuda.ioctl.count", "{ioctl}", "nvidia ioctls", |p, o| {
-        o(p.stats.ioctls.count as f64, proc_attrs(p.pid, &p.comm))
+    per_proc("gpu.cuda.ioctl.count", "{ioctl}", "nvidia ioctls", |p, a, o| {
+        o(p.stats.ioctls.count as f64, a)
     });
-    per_proc("gpu.cuda.ioctl.duration", "s", "Time in nvidia ioctls", |p, o| {
-        o(p.stats.ioctls.ns as f64 / 1e9, proc_attrs(p.pid, &p.comm))
+    per_proc("gpu.cuda.ioctl.duration", "s", "Time in nvidia ioctls", |p, a, o| {
+        o(p.stats.ioctls.ns as f64 / 1e9, a)
     });
     {
-        let s = shared.clone();
+        let (s, pa) = (shared.clone(), procs.clone());
         m.f64_observable_gauge("gpu.cuda.memory.outstanding")
             .with_unit("By")
             .with_description("Device, managed and pinned host memory allocated and not freed")
             .with_callback(move |obs| {
-                let corr = s.corr.lock().expect("correlator lock");
-                for p in corr.procs.values().filter(|p| !p.exited) {
-                    obs.observe(p.stats.outstanding_bytes() as f64, &proc_attrs(p.pid, &p.comm));
+                let values: Vec<(u32, String, u64)> = {
+                    let corr = s.corr.lock().expect("correlator lock");
+                    corr.procs
+                        .values()
+                        .filter(|p| !p.exited)
+                        .map(|p| (p.pid, p.comm.clone(), p.stats.outstanding_bytes()))
+                        .collect()
+                };
+                let mut pa = pa.lock().expect("process attributes lock");
+                for (pid, comm, v) in values {
+                    obs.observe(v as f64, &pa.of(pid, &comm));
                 }
             })
             .build();
