@@ -823,10 +823,14 @@ impl Spans {
                 }
                 self.batch.push(span);
                 // Its ioctls: the ones of this thread inside [entry, return].
-                if let Some(q) = self.ioctls.get_mut(&ev.tid) {
+                if let Some(mut q) = self.ioctls.remove(&ev.tid) {
                     let (mine, rest): (Vec<_>, Vec<_>) =
                         q.drain(..).partition(|p| p.ts_ns >= ev.ts_ns && p.ts_ns <= end);
-                    q.extend(rest);
+                    // Threads with nothing pending hold no entry: the map stays as small as
+                    // the set of threads inside a call.
+                    if !rest.is_empty() {
+                        self.ioctls.insert(ev.tid, rest.into());
+                    }
                     for mut p in mine {
                         p.span.parent_span_id = id;
                         self.batch.push(p.span);
@@ -856,6 +860,9 @@ impl Spans {
     fn drop_ioctls(&mut self, tid: u32, start: u64, end: u64) {
         if let Some(q) = self.ioctls.get_mut(&tid) {
             q.retain(|p| p.ts_ns < start || p.ts_ns > end);
+            if q.is_empty() {
+                self.ioctls.remove(&tid);
+            }
         }
     }
 

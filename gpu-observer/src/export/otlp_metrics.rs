@@ -106,18 +106,39 @@ pub fn register(
     per_proc("gpu.cuda.ioctl.duration", "s", "Time in nvidia ioctls", |p, a, o| {
         o(p.stats.ioctls.ns as f64 / 1e9, a)
     });
-    {
+    // Outstanding device/managed/pinned memory: bytes, and how many allocations.
+    for (name, unit, desc, bytes) in [
+        (
+            "gpu.cuda.memory.outstanding",
+            "By",
+            "Device, managed and pinned host memory allocated and not freed",
+            true,
+        ),
+        (
+            "gpu.cuda.memory.allocations",
+            "{allocation}",
+            "Allocations not freed",
+            false,
+        ),
+    ] {
         let (s, pa) = (shared.clone(), procs.clone());
-        m.f64_observable_gauge("gpu.cuda.memory.outstanding")
-            .with_unit("By")
-            .with_description("Device, managed and pinned host memory allocated and not freed")
+        m.f64_observable_gauge(name)
+            .with_unit(unit)
+            .with_description(desc)
             .with_callback(move |obs| {
                 let values: Vec<(u32, String, u64)> = {
                     let corr = s.corr.lock().expect("correlator lock");
                     corr.procs
                         .values()
                         .filter(|p| !p.exited)
-                        .map(|p| (p.pid, p.comm.clone(), p.stats.outstanding_bytes()))
+                        .map(|p| {
+                            let v = if bytes {
+                                p.stats.outstanding_bytes()
+                            } else {
+                                p.stats.live_allocs
+                            };
+                            (p.pid, p.comm.clone(), v)
+                        })
                         .collect()
                 };
                 let mut pa = pa.lock().expect("process attributes lock");
