@@ -279,9 +279,24 @@ fn test(lint_too: bool, args: &[OsString]) -> Result<()> {
     // The GPU validation scripts run only on a GPU machine; their logic is tested here so a
     // change to the observer's output cannot silently break them.
     if args.is_empty() {
+        // Before the GPU scripts' self-test, so that its totals stay the last line.
+        deploy_check()?;
         status(Command::new("bash").arg(root().join("gpu/tests/selftest.sh")))?;
     }
     Ok(())
+}
+
+/// Validates deploy/ (Kubernetes manifests, Collector configuration, metric catalogue, Grafana
+/// dashboard) with the pinned validators deploy/ci/run.sh installs into .tools/deploy-check, then
+/// checks that broken copies of those files are rejected (deploy/README.md, "Validation").
+fn deploy_check() -> Result<()> {
+    status(
+        Command::new("bash")
+            .arg(root().join("deploy/ci/run.sh"))
+            .arg("--self-test")
+            .current_dir(root()),
+    )
+    .context("deploy/ validation failed (see deploy/README.md, \"Validation\")")
 }
 
 /// Sums the `test result:` lines of every test binary.
@@ -319,6 +334,15 @@ fn bundle() -> Result<()> {
     setup()?;
     let bin = build(true)?;
     status(cargo().args(["build", "--release", "--package", "cuda-ground-truth"]))?;
+    // The stand-alone OTLP receiver gpu/otlp_export.sh decodes an export with.
+    status(cargo().args([
+        "build",
+        "--release",
+        "--package",
+        "gpu-observer-tests",
+        "--bin",
+        "otlp-sink",
+    ]))?;
     let dir = root().join(".gpu-bundle");
     std::fs::create_dir_all(&dir)?;
     std::fs::copy(&bin, dir.join("gpu-observer"))?;
@@ -330,6 +354,7 @@ fn bundle() -> Result<()> {
         root().join("target/release/cuda-ground-truth"),
         dir.join("cuda-ground-truth"),
     )?;
+    std::fs::copy(root().join("target/release/otlp-sink"), dir.join("otlp-sink"))?;
     let commit = output(
         Command::new("git")
             .args(["rev-parse", "--short", "HEAD"])

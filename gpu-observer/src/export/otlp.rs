@@ -202,13 +202,15 @@ fn hostname() -> String {
 
 /// Resource: who exports. `OTEL_SERVICE_NAME` / `OTEL_RESOURCE_ATTRIBUTES` are read by the SDK.
 fn resource(backends: &str, driver: Option<String>, cuda: Option<String>) -> Resource {
-    let mut attrs = vec![
-        KeyValue::new("host.name", hostname()),
-        KeyValue::new("gpu.tracing.backends", backends.to_string()),
-    ];
-    if let Ok(node) = std::env::var("K8S_NODE_NAME")
-        && !node.is_empty()
-    {
+    let mut attrs = vec![KeyValue::new("gpu.tracing.backends", backends.to_string())];
+    let node = std::env::var("K8S_NODE_NAME").ok().filter(|n| !n.is_empty());
+    // In a pod the UTS hostname is the pod's name: the node's name (downward API) is the host's.
+    // OTEL_RESOURCE_ATTRIBUTES wins over both.
+    let from_env = std::env::var("OTEL_RESOURCE_ATTRIBUTES").unwrap_or_default();
+    if !from_env.split(',').any(|kv| kv.trim_start().starts_with("host.name=")) {
+        attrs.push(KeyValue::new("host.name", node.clone().unwrap_or_else(hostname)));
+    }
+    if let Some(node) = node {
         attrs.push(KeyValue::new("k8s.node.name", node));
     }
     if let Some(d) = driver {

@@ -222,7 +222,7 @@ pub fn register(
             o(f64::from(v), vec![]);
         }
     });
-    per_gpu("hw.gpu.pcie.link.generation", "1", false, |s, o| {
+    per_gpu("hw.gpu.pcie.link.generation", "{generation}", false, |s, o| {
         if let Some(v) = s.link.generation {
             o(f64::from(v), vec![]);
         }
