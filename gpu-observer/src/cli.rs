@@ -27,7 +27,7 @@ pub struct Cli {
     #[arg(long, short = 'd', global = true)]
     pub duration: Option<f64>,
 
-    /// Output: a live terminal table, or JSON lines (one event per line).
+    /// Output: a live terminal table, JSON lines (one event per line), or none (OTLP only).
     #[arg(long, short = 'f', value_enum, default_value_t = Format::Terminal, global = true)]
     pub format: Format,
 
@@ -151,6 +151,8 @@ pub enum Format {
     Jsonl,
     /// One JSON document (`devices` only).
     Json,
+    /// Nothing locally: OTLP export only (a DaemonSet), no per-event formatting cost.
+    None,
 }
 
 fn parse_ring_size(s: &str) -> Result<u32, String> {
@@ -198,6 +200,12 @@ mod tests {
             (c.cuda_buffer_size, c.cupti_rate_limit, c.no_cupti),
             (8 << 20, 1_000_000, false)
         );
+    }
+
+    #[test]
+    fn format_none_is_accepted() {
+        let c = Cli::parse_from(["gpu-observer", "--format", "none", "--otlp-endpoint", "http://c:4317"]);
+        assert_eq!(c.format, Format::None);
     }
 
     #[test]

@@ -168,6 +168,12 @@ async fn observe(cli: Cli) -> Result<i32> {
             "no process with pid {pid}: check it with `ps -p {pid}` (gpu-observer without --pid observes every process)"
         );
     }
+    if cli.format == Format::Json {
+        bail!("--format json is for `gpu-observer devices`; events are written with --format jsonl");
+    }
+    if cli.format == Format::None && !export::otlp::wanted(cli.otlp_endpoint.as_deref()) {
+        bail!("--format none writes nothing locally: use it with --otlp-endpoint (or OTEL_EXPORTER_OTLP_ENDPOINT)");
+    }
     let mut spawned = match &cli.command {
         Some(Command::Run { .. }) if cli.pid.is_some() => {
             bail!("`run` observes the program it starts: drop --pid")
@@ -175,9 +181,6 @@ async fn observe(cli: Cli) -> Result<i32> {
         Some(Command::Run { command }) => Some(spawn::start(command, &cli)?),
         _ => None,
     };
-    if cli.format == Format::Json {
-        bail!("--format json is for `gpu-observer devices`; events are written with --format jsonl");
-    }
     let pid_filter = spawned.as_ref().map(spawn::Spawned::pid).or(cli.pid);
     let probes = Probes::load(cli.ring_buffer_size, pid_filter, cli.perf_uprobes)?;
     let mut at = Attacher {
@@ -212,7 +215,7 @@ async fn observe(cli: Cli) -> Result<i32> {
             cli.threshold_us * 1000,
             cli.trace_all,
         )),
-        Format::Terminal | Format::Json => None,
+        Format::Terminal | Format::Json | Format::None => None,
     };
     let nvml_interval = Duration::from_millis(cli.nvml_interval_ms);
     let hub = Arc::new(sample::Hub::new(
@@ -416,6 +419,9 @@ async fn observe(cli: Cli) -> Result<i32> {
         Some(mut out) => {
             out.summary(&corr, &gpus, &drops, wall_ns, unattributed, exported.as_ref())?;
             out.into_inner().flush()?;
+            say(format_args!("{} events, {} dropped", corr.events, drops.total));
+        }
+        None if cli.format == Format::None => {
             say(format_args!("{} events, {} dropped", corr.events, drops.total));
         }
         None => {

@@ -14,7 +14,7 @@ pub fn print(cli: &Cli) -> Result<()> {
     let devices = lib.discover().map_err(|why| anyhow!("{why}"))?;
     let text = match cli.format {
         Format::Json | Format::Jsonl => serde_json::to_string_pretty(&devices)? + "\n",
-        Format::Terminal => table(&devices),
+        Format::Terminal | Format::None => table(&devices),
     };
     let mut out: Box<dyn Write> = match &cli.output {
         Some(p) => {
