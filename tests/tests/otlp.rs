@@ -242,3 +242,53 @@ fn a_collector_that_is_down_costs_counted_drops_and_nothing_else() {
         cap.stderr
     );
 }
+
+#[test]
+fn format_none_exports_over_otlp_and_writes_nothing_locally() {
+    let _g = serial();
+    require_root();
+    let rx = Receiver::grpc();
+    let dir = scratch("otlp-none");
+    let lib = fresh_lib(&dir, "libcuda.so.1");
+    let mut w = Workload::start();
+    w.cmd(&format!("load {}", lib.display()));
+    let agent = Agent::start(
+        &dir,
+        &[
+            "--pid",
+            &w.pid.to_string(),
+            "--otlp-endpoint",
+            &rx.endpoint(),
+            "--otlp-max-spans-per-sec",
+            "0",
+            "--format",
+            "none",
+        ],
+    );
+    agent.wait_stderr("attached", Duration::from_secs(10));
+    let exp = dir.join("expected.jsonl");
+    w.cmd(&format!("run 1 1 {}", exp.display()));
+    w.exit();
+    let cap = agent.finish();
+    assert!(cap.status.success(), "{:?}", cap.stderr);
+    assert!(cap.events.is_empty(), "nothing written locally");
+    let launches = expected_calls(&exp)
+        .iter()
+        .filter(|e| {
+            e["api"]
+                .as_str()
+                .is_some_and(|a| a.starts_with("cuLaunch") || a.starts_with("cuGraphLaunch"))
+        })
+        .count();
+    let spans = rx.spans();
+    let got = spans
+        .iter()
+        .filter(|(_, s)| s.name.starts_with("cuLaunch") || s.name.starts_with("cuGraphLaunch"))
+        .count();
+    assert_eq!(got, launches);
+    assert!(
+        cap.stderr.iter().any(|l| l.contains("spans exported, 0 dropped")),
+        "{:?}",
+        cap.stderr
+    );
+}
