@@ -3,7 +3,7 @@
 #
 # Provides: log/warn/die, require_root, find_nvcc, gpu_sm_arch, resolve_observer,
 # resolve_exe, wait_for_line, start_observer/stop_observer (background observer
-# lifecycle; OBS_PID, OBS_RC), start_observer_run/wait_observer_run (`gpu-observer run
+# lifecycle; OBS_PID, OBS_RC; await_ready/await_exit), start_observer_run/wait_observer_run (`gpu-observer run
 # -- CMD`: the observer starts CMD and exits with its status), resolve_cupti (the
 # injection library and the `run` subcommand), child_pids, any_alive, and
 # install_traps (the observer, and in run mode its command, is always stopped on
@@ -146,26 +146,62 @@ start_observer() {
     "$OBSERVER" --format jsonl --trace-all --output "$jsonl" "$@" </dev/null >"${err%.err}.obs.out" 2>"$err" &
     OBS_PID=$!
     set +m
-    local i
-    for ((i = 0; i < READY_TIMEOUT * 10; i++)); do
+    await_ready observer "$err" "$READY_TIMEOUT"
+}
+
+# await_ready LABEL ERRFILE TIMEOUT_S [rc]: waits for the observer (OBS_PID) to print its
+# ready line into ERRFILE. An observer that printed it and already exited (a short run)
+# is a success. Returns 1 if it exited without it (OBS_PID cleared; with `rc`, OBS_RC gets
+# its exit status) or never printed it in time (then it is stopped). LABEL names it in the
+# messages.
+await_ready() {
+    local label=$1 err=$2 timeout=$3 set_rc=${4:-} i
+    for ((i = 0; i < timeout * 10; i++)); do
         if grep -qF "$READY_LINE" "$err" 2>/dev/null; then
-            log "observer pid $OBS_PID ready after $((i / 10)).$((i % 10)) s"
+            log "$label pid $OBS_PID ready after $((i / 10)).$((i % 10)) s"
             return 0
         fi
         if ! proc_alive "$OBS_PID"; then
+            grep -qF "$READY_LINE" "$err" 2>/dev/null && return 0
             local rc=0
             wait "$OBS_PID" 2>/dev/null || rc=$?
             OBS_PID=""
-            warn "observer exited before becoming ready (rc=$rc); last stderr lines:"
+            OBS_RUN=""
+            # shellcheck disable=SC2034
+            [[ -z $set_rc ]] || OBS_RC=$rc
+            warn "$label exited before becoming ready (rc=$rc); last stderr lines:"
             tail -n 20 "$err" 2>/dev/null | sed 's/^/    /' || true
             return 1
         fi
         sleep 0.1
     done
-    warn "observer not ready after ${READY_TIMEOUT} s; last stderr lines:"
+    warn "$label not ready after ${timeout} s; last stderr lines:"
     tail -n 20 "$err" 2>/dev/null | sed 's/^/    /' || true
     stop_observer
     return 1
+}
+
+# await_exit TIMEOUT_S MESSAGE: waits for the observer (OBS_PID) to exit by itself; OBS_RC
+# gets its exit status. After TIMEOUT_S s it warns MESSAGE, stops it (stop_observer) and
+# returns 1.
+await_exit() {
+    local timeout=$1 deadline rc=0
+    [[ -n $OBS_PID ]] || return 0
+    deadline=$((SECONDS + timeout))
+    while proc_alive "$OBS_PID"; do
+        if ((SECONDS >= deadline)); then
+            warn "$2"
+            stop_observer
+            return 1
+        fi
+        sleep 0.1
+    done
+    wait "$OBS_PID" 2>/dev/null || rc=$?
+    OBS_PID=""
+    OBS_RUN=""
+    # shellcheck disable=SC2034
+    OBS_RC=$rc
+    return 0
 }
 
 # SIGINT, wait up to STOP_TIMEOUT s, then SIGTERM (5 s), then SIGKILL.
@@ -319,53 +355,14 @@ start_observer_run() {
     OBS_PID=$!
     OBS_RUN=1
     set +m
-    local i
-    for ((i = 0; i < READY_TIMEOUT * 10; i++)); do
-        if grep -qF "$READY_LINE" "$err" 2>/dev/null; then
-            log "observer (run) pid $OBS_PID ready after $((i / 10)).$((i % 10)) s"
-            return 0
-        fi
-        if ! proc_alive "$OBS_PID"; then
-            grep -qF "$READY_LINE" "$err" 2>/dev/null && return 0
-            local rc=0
-            wait "$OBS_PID" 2>/dev/null || rc=$?
-            OBS_PID=""
-            OBS_RUN=""
-            # shellcheck disable=SC2034
-            OBS_RC=$rc
-            warn "observer (run) exited before becoming ready (rc=$rc); last stderr lines:"
-            tail -n 20 "$err" 2>/dev/null | sed 's/^/    /' || true
-            return 1
-        fi
-        sleep 0.1
-    done
-    warn "observer (run) not ready after ${READY_TIMEOUT} s; last stderr lines:"
-    tail -n 20 "$err" 2>/dev/null | sed 's/^/    /' || true
-    stop_observer
-    return 1
+    await_ready "observer (run)" "$err" "$READY_TIMEOUT" rc
 }
 
 # wait_observer_run TIMEOUT_S: wait for the run-mode observer to exit by itself;
 # OBS_RC gets its exit status (its command's). After TIMEOUT_S s the command and
 # then the observer are stopped (stop_observer) and 1 is returned.
 wait_observer_run() {
-    local timeout=$1 deadline rc=0
-    [[ -n $OBS_PID ]] || return 0
-    deadline=$((SECONDS + timeout))
-    while proc_alive "$OBS_PID"; do
-        if ((SECONDS >= deadline)); then
-            warn "observed command still running after ${timeout} s; stopping it"
-            stop_observer
-            return 1
-        fi
-        sleep 0.2
-    done
-    wait "$OBS_PID" 2>/dev/null || rc=$?
-    OBS_PID=""
-    OBS_RUN=""
-    # shellcheck disable=SC2034
-    OBS_RC=$rc
-    return 0
+    await_exit "$1" "observed command still running after $1 s; stopping it"
 }
 
 _on_exit() {

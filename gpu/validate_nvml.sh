@@ -107,7 +107,7 @@ tmo() {
 # start_nvml_observer JSONL ERRFILE DURATION: the observer in all-process mode with NVML
 # sampling, in the background (OBS_PID, stopped by the EXIT trap); waits for its ready line.
 start_nvml_observer() {
-    local jsonl=$1 err=$2 dur=$3 i rt
+    local jsonl=$1 err=$2 dur=$3 rt
     rm -f "$jsonl" "$err"
     rt=$(tmo "$READY_TIMEOUT")
     set -m
@@ -116,46 +116,13 @@ start_nvml_observer() {
         </dev/null >"${err%.err}.obs.out" 2>"$err" &
     OBS_PID=$!
     set +m
-    for ((i = 0; i < rt * 10; i++)); do
-        if grep -qF "$READY_LINE" "$err" 2>/dev/null; then
-            log "observer pid $OBS_PID ready after $((i / 10)).$((i % 10)) s"
-            return 0
-        fi
-        if ! proc_alive "$OBS_PID"; then
-            local rc=0
-            wait "$OBS_PID" 2>/dev/null || rc=$?
-            OBS_PID=""
-            OBS_RC=$rc
-            warn "observer exited before becoming ready (rc=$rc); last stderr lines:"
-            tail -n 20 "$err" 2>/dev/null | sed 's/^/    /' || true
-            return 1
-        fi
-        sleep 0.1
-    done
-    warn "observer not ready after $rt s; last stderr lines:"
-    tail -n 20 "$err" 2>/dev/null | sed 's/^/    /' || true
-    stop_observer
-    return 1
+    await_ready observer "$err" "$rt" rc
 }
 
 # wait_nvml_observer TIMEOUT_S: wait for the observer to end by itself (--duration);
 # after TIMEOUT_S it is stopped (SIGINT ...). Sets OBS_RC. Returns 1 if it had to be stopped.
 wait_nvml_observer() {
-    local deadline rc=0
-    [[ -n $OBS_PID ]] || return 0
-    deadline=$((SECONDS + $1))
-    while proc_alive "$OBS_PID"; do
-        if ((SECONDS >= deadline)); then
-            warn "observer still running $1 s after its --duration; stopping it"
-            stop_observer
-            return 1
-        fi
-        sleep 0.1
-    done
-    wait "$OBS_PID" 2>/dev/null || rc=$?
-    OBS_PID=""
-    OBS_RC=$rc
-    return 0
+    await_exit "$1" "observer still running $1 s after its --duration; stopping it"
 }
 
 # observe NAME DURATION [capture]: one observer run; with `capture`, nvidia-smi captures in
