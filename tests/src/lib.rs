@@ -245,6 +245,14 @@ impl Workload {
         Self::start_with_env(&[])
     }
 
+    /// A workload that has loaded a private copy of the fake libcuda (in `dir`).
+    pub fn loaded(dir: &Path) -> Workload {
+        let lib = fresh_lib(dir, "libcuda.so.1");
+        let mut w = Self::start();
+        w.cmd(&format!("load {}", lib.display()));
+        w
+    }
+
     pub fn start_with_env(env: &[(&str, &str)]) -> Workload {
         let mut child = Command::new(fixtures().join("cuda_workload"))
             .envs(env.iter().copied())
@@ -297,6 +305,13 @@ impl Drop for Workload {
 
 /// Lines that are events from the probes, not lines the agent adds (summaries, memory samples,
 /// leak reports).
+/// Whether an entry point launches work (the API table's launch families: entry-only probes).
+pub fn is_launch(api: &str) -> bool {
+    gpu_observer_common::api::id_of(api)
+        .and_then(gpu_observer_common::api::by_id)
+        .is_some_and(|s| !s.family.has_return_probe())
+}
+
 pub fn is_event(e: &Value) -> bool {
     !matches!(e["type"].as_str(), Some("summary" | "memory" | "leak"))
 }

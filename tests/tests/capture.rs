@@ -270,9 +270,7 @@ fn a_full_ring_buffer_counts_every_drop() {
     let _g = serial();
     require_root();
     let dir = scratch("drops");
-    let lib = fresh_lib(&dir, "libcuda.so.1");
-    let mut w = Workload::start();
-    w.cmd(&format!("load {}", lib.display()));
+    let mut w = Workload::loaded(&dir);
     // One page of ring: a burst of launches must overflow it.
     let agent = Agent::start(&dir, &["--pid", &w.pid.to_string(), "--ring-buffer-size", "4096"]);
     agent.wait_stderr("attached", Duration::from_secs(10));
@@ -334,9 +332,7 @@ fn terminal_summary_names_the_process_and_its_totals() {
     let _g = serial();
     require_root();
     let dir = scratch("terminal");
-    let lib = fresh_lib(&dir, "libcuda.so.1");
-    let mut w = Workload::start();
-    w.cmd(&format!("load {}", lib.display()));
+    let mut w = Workload::loaded(&dir);
     let out = dir.join("summary.txt");
     let mut agent = std::process::Command::new(observer_bin())
         .args([
@@ -408,9 +404,7 @@ fn perf_event_uprobe_fallback_captures_the_same_calls() {
     let _g = serial();
     require_root();
     let dir = scratch("perf");
-    let lib = fresh_lib(&dir, "libcuda.so.1");
-    let mut w = Workload::start();
-    w.cmd(&format!("load {}", lib.display()));
+    let mut w = Workload::loaded(&dir);
     let agent = Agent::start(&dir, &["--pid", &w.pid.to_string(), "--perf-uprobes"]);
     agent.wait_stderr("(87 entry points, 166 probes", Duration::from_secs(10));
     assert!(agent.stderr().iter().any(|l| l.contains("using perf-event uprobes")));

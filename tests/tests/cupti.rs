@@ -281,11 +281,7 @@ fn cupti_busy_falls_back_to_uprobes_and_says_so() {
     // Uprobes still see every launch.
     let launches_made = expected_calls(&exp)
         .iter()
-        .filter(|e| {
-            e["api"]
-                .as_str()
-                .is_some_and(|a| a.starts_with("cuLaunch") || a.starts_with("cuGraphLaunch"))
-        })
+        .filter(|e| e["api"].as_str().is_some_and(is_launch))
         .count();
     assert_eq!(by_type(&cap, "launch", pid).len(), launches_made);
     assert_eq!(cap.count(|e| e["type"] == "gpu_kernel"), 0);

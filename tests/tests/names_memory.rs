@@ -105,9 +105,7 @@ fn handles_named_before_the_observer_attached_are_unresolved_and_counted() {
     let _g = serial();
     require_root();
     let dir = scratch("unresolved");
-    let lib = fresh_lib(&dir, "libcuda.so.1");
-    let mut w = Workload::start();
-    w.cmd(&format!("load {}", lib.display()));
+    let mut w = Workload::loaded(&dir);
     // Names fetched before any observer: the launches after attach cannot be named.
     let early = dir.join("early.jsonl");
     w.cmd(&format!("names {}", early.display()));

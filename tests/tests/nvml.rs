@@ -123,9 +123,7 @@ fn observe(
     env: &[(&str, &str)],
 ) -> (PathBuf, Workload, Agent) {
     let dir = scratch(name);
-    let lib = fresh_lib(&dir, "libcuda.so.1");
-    let mut w = Workload::start();
-    w.cmd(&format!("load {}", lib.display()));
+    let w = Workload::loaded(&dir);
     let file = dir.join("procs.txt");
     std::fs::write(&file, procs(w.pid)).unwrap();
     let nvml = fake_nvml(variant);
@@ -364,9 +362,7 @@ fn without_nvml_the_observer_says_so_and_observes_the_rest() {
     let _g = serial();
     require_root();
     let dir = scratch("nvml-none");
-    let lib = fresh_lib(&dir, "libcuda.so.1");
-    let mut w = Workload::start();
-    w.cmd(&format!("load {}", lib.display()));
+    let mut w = Workload::loaded(&dir);
     let missing = dir.join("no-such-libnvidia-ml.so.1");
     let agent = Agent::start(
         &dir,

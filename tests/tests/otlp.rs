@@ -21,9 +21,7 @@ fn fake_nvml() -> String {
 /// Runs the workload's scripted calls under an agent exporting to `endpoint`.
 fn run_exported(name: &str, endpoint: &str, protocol: &str) -> (Captured, Vec<Value>, u32) {
     let dir = scratch(name);
-    let lib = fresh_lib(&dir, "libcuda.so.1");
-    let mut w = Workload::start();
-    w.cmd(&format!("load {}", lib.display()));
+    let mut w = Workload::loaded(&dir);
     let nvml = fake_nvml();
     let agent = Agent::start(
         &dir,
@@ -130,13 +128,8 @@ fn check_spans(rx: &Receiver, cap: &Captured, expected: &[Value], pid: u32) {
             under_calls += 1;
         }
     }
-    let in_returning_calls = cap.count(|e| {
-        e["type"] == "ioctl"
-            && e["pid"] == pid
-            && e["parent_api"]
-                .as_str()
-                .is_some_and(|a| !a.starts_with("cuLaunch") && !a.starts_with("cuGraphLaunch"))
-    });
+    let in_returning_calls = cap
+        .count(|e| e["type"] == "ioctl" && e["pid"] == pid && e["parent_api"].as_str().is_some_and(|a| !is_launch(a)));
     assert_eq!(under_calls, in_returning_calls);
 }
 
@@ -249,9 +242,7 @@ fn format_none_exports_over_otlp_and_writes_nothing_locally() {
     require_root();
     let rx = Receiver::grpc();
     let dir = scratch("otlp-none");
-    let lib = fresh_lib(&dir, "libcuda.so.1");
-    let mut w = Workload::start();
-    w.cmd(&format!("load {}", lib.display()));
+    let mut w = Workload::loaded(&dir);
     let agent = Agent::start(
         &dir,
         &[
@@ -274,17 +265,10 @@ fn format_none_exports_over_otlp_and_writes_nothing_locally() {
     assert!(cap.events.is_empty(), "nothing written locally");
     let launches = expected_calls(&exp)
         .iter()
-        .filter(|e| {
-            e["api"]
-                .as_str()
-                .is_some_and(|a| a.starts_with("cuLaunch") || a.starts_with("cuGraphLaunch"))
-        })
+        .filter(|e| e["api"].as_str().is_some_and(is_launch))
         .count();
     let spans = rx.spans();
-    let got = spans
-        .iter()
-        .filter(|(_, s)| s.name.starts_with("cuLaunch") || s.name.starts_with("cuGraphLaunch"))
-        .count();
+    let got = spans.iter().filter(|(_, s)| is_launch(&s.name)).count();
     assert_eq!(got, launches);
     assert!(
         cap.stderr.iter().any(|l| l.contains("spans exported, 0 dropped")),
