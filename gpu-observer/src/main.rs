@@ -245,7 +245,7 @@ async fn observe(cli: Cli) -> Result<i32> {
             if hub.lock().state != sample::State::Starting {
                 break;
             }
-            std::thread::sleep(Duration::from_millis(25));
+            tokio::time::sleep(Duration::from_millis(25)).await;
         }
         let backends = match (cli.no_nvml, spawned.as_ref().and_then(|s| s.injection.as_ref())) {
             (true, None) => "uprobes",

@@ -77,7 +77,8 @@ pub struct Config {
 #[derive(Default)]
 pub struct Counters {
     pub spans_exported: AtomicU64,
-    /// Spans the queue had no room for, or an export that failed for good.
+    /// Lost: events the queue had no room for (counted per event handed over, each of which
+    /// would have made at most one span), and the spans of an export that failed for good.
     pub spans_dropped: AtomicU64,
     /// Fast calls or a process over its span rate, as configured.
     pub spans_sampled_out: AtomicU64,
@@ -367,6 +368,16 @@ fn signal_endpoint(cfg: &Config, path: &str) -> Option<String> {
     })
 }
 
+/// Protocol, timeout and (when given) the signal's endpoint, on either transport's builder.
+fn configure<B: WithExportConfig>(b: B, cfg: &Config, path: &str) -> B {
+    let protocol = if cfg.grpc { Protocol::Grpc } else { Protocol::HttpBinary };
+    let b = b.with_protocol(protocol).with_timeout(cfg.timeout);
+    match signal_endpoint(cfg, path) {
+        Some(ep) => b.with_endpoint(ep),
+        None => b,
+    }
+}
+
 /// Starts the exporter: builds both OTLP exporters (errors here are configuration errors),
 /// the metric instruments and the span thread.
 pub fn start(cfg: Config, shared: Arc<Shared>, hub: Arc<Hub>, backends: &str) -> Result<Otlp> {
@@ -384,58 +395,51 @@ pub fn start(cfg: Config, shared: Arc<Shared>, hub: Arc<Hub>, backends: &str) ->
         .map(|d| (d.driver_version.clone(), d.cuda_driver_version.clone()))
         .unwrap_or_default();
     let res = resource(backends, driver, cuda);
-    let protocol = if cfg.grpc { Protocol::Grpc } else { Protocol::HttpBinary };
-    let spans = {
-        let b = opentelemetry_otlp::SpanExporter::builder();
-        let mut e = if cfg.grpc {
-            let mut b = b.with_tonic().with_protocol(protocol).with_timeout(cfg.timeout);
-            if let Some(ep) = signal_endpoint(&cfg, "/v1/traces") {
-                b = b.with_endpoint(ep);
-            }
-            SpanExp::Grpc(b.build().context("OTLP span exporter (gRPC)")?)
-        } else {
-            let mut b = b.with_http().with_protocol(protocol).with_timeout(cfg.timeout);
-            if let Some(ep) = signal_endpoint(&cfg, "/v1/traces") {
-                b = b.with_endpoint(ep);
-            }
-            SpanExp::Http(b.build().context("OTLP span exporter (HTTP)")?)
-        };
-        e.set_resource(&res);
-        e
-    };
+    // Both signals, either transport: the same protocol, timeout and endpoint.
+    let mut spans = if cfg.grpc {
+        configure(
+            opentelemetry_otlp::SpanExporter::builder().with_tonic(),
+            &cfg,
+            "/v1/traces",
+        )
+        .build()
+    } else {
+        configure(
+            opentelemetry_otlp::SpanExporter::builder().with_http(),
+            &cfg,
+            "/v1/traces",
+        )
+        .build()
+    }
+    .context("OTLP span exporter")?;
+    spans.set_resource(&res);
     let counters = Arc::new(Counters::default());
-    let meters = {
-        let b = opentelemetry_otlp::MetricExporter::builder();
-        let reader = if cfg.grpc {
-            let mut b = b.with_tonic().with_protocol(protocol).with_timeout(cfg.timeout);
-            if let Some(ep) = signal_endpoint(&cfg, "/v1/metrics") {
-                b = b.with_endpoint(ep);
-            }
-            let inner = b.build().context("OTLP metric exporter (gRPC)")?;
-            PeriodicReader::builder(Counting {
-                inner,
-                counters: counters.clone(),
-            })
-            .with_interval(cfg.interval)
-            .build()
-        } else {
-            let mut b = b.with_http().with_protocol(protocol).with_timeout(cfg.timeout);
-            if let Some(ep) = signal_endpoint(&cfg, "/v1/metrics") {
-                b = b.with_endpoint(ep);
-            }
-            let inner = b.build().context("OTLP metric exporter (HTTP)")?;
-            PeriodicReader::builder(Counting {
-                inner,
-                counters: counters.clone(),
-            })
-            .with_interval(cfg.interval)
-            .build()
-        };
-        SdkMeterProvider::builder()
-            .with_resource(res)
-            .with_reader(reader)
-            .build()
-    };
+    let metrics = if cfg.grpc {
+        configure(
+            opentelemetry_otlp::MetricExporter::builder().with_tonic(),
+            &cfg,
+            "/v1/metrics",
+        )
+        .build()
+    } else {
+        configure(
+            opentelemetry_otlp::MetricExporter::builder().with_http(),
+            &cfg,
+            "/v1/metrics",
+        )
+        .build()
+    }
+    .context("OTLP metric exporter")?;
+    let reader = PeriodicReader::builder(Counting {
+        inner: metrics,
+        counters: counters.clone(),
+    })
+    .with_interval(cfg.interval)
+    .build();
+    let meters = SdkMeterProvider::builder()
+        .with_resource(res)
+        .with_reader(reader)
+        .build();
     let procs = ProcAttrs::new(cfg.command_line);
     let kernel_time = super::otlp_metrics::register(&meters, &shared, &hub, &counters, &procs);
     let (tx, rx) = sync_channel(cfg.queue);
@@ -454,26 +458,6 @@ pub fn start(cfg: Config, shared: Arc<Shared>, hub: Arc<Hub>, backends: &str) ->
     })
 }
 
-/// The two span exporters behind one name.
-enum SpanExp {
-    Grpc(opentelemetry_otlp::SpanExporter),
-    Http(opentelemetry_otlp::SpanExporter),
-}
-
-impl SpanExp {
-    fn set_resource(&mut self, r: &Resource) {
-        match self {
-            SpanExp::Grpc(e) | SpanExp::Http(e) => e.set_resource(r),
-        }
-    }
-
-    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
-        match self {
-            SpanExp::Grpc(e) | SpanExp::Http(e) => e.export(batch).await,
-        }
-    }
-}
-
 /// One process's current trace window.
 struct Window {
     trace_id: TraceId,
@@ -489,6 +473,7 @@ struct Window {
 
 /// A pending ioctl, waiting for its call's span.
 struct PendingIoctl {
+    pid: u32,
     ts_ns: u64,
     span: SpanData,
 }
@@ -531,7 +516,7 @@ impl Spans {
         }
     }
 
-    fn run(mut self, rx: &Receiver<Item>, exp: &SpanExp, rt: &tokio::runtime::Handle) {
+    fn run(mut self, rx: &Receiver<Item>, exp: &opentelemetry_otlp::SpanExporter, rt: &tokio::runtime::Handle) {
         let mut last_export = Instant::now();
         loop {
             match rx.recv_timeout(Duration::from_millis(50)) {
@@ -546,12 +531,17 @@ impl Spans {
                 last_export = Instant::now();
             }
         }
-        // Exit: everything still open, one attempt each (the collector may be gone).
+        // Exit: ioctls whose call never returned go under their window's root, then every window
+        // still open; one attempt each (the collector may be gone).
+        let pending: Vec<PendingIoctl> = self.ioctls.drain().flat_map(|(_, q)| q).collect();
+        for p in pending {
+            self.orphan(p.pid, p.span);
+        }
         self.close_windows(u64::MAX, true);
         self.export(exp, rt, 1);
     }
 
-    fn export(&mut self, exp: &SpanExp, rt: &tokio::runtime::Handle, attempts: u32) {
+    fn export(&mut self, exp: &opentelemetry_otlp::SpanExporter, rt: &tokio::runtime::Handle, attempts: u32) {
         if self.batch.is_empty() {
             return;
         }
@@ -560,9 +550,10 @@ impl Spans {
         let mut delay = Duration::from_millis(200);
         for attempt in 1..=attempts {
             // gRPC runs on the exporter's tokio runtime; the HTTP client blocks and must not.
-            let r = match exp {
-                SpanExp::Grpc(_) => rt.block_on(exp.export(batch.clone())),
-                SpanExp::Http(_) => futures_executor::block_on(exp.export(batch.clone())),
+            let r = if self.cfg.grpc {
+                rt.block_on(exp.export(batch.clone()))
+            } else {
+                futures_executor::block_on(exp.export(batch.clone()))
             };
             match r {
                 Ok(()) => {
@@ -732,16 +723,20 @@ impl Spans {
                 self.extend_window(ev.pid, end);
                 // Parented when its call returns; a launch (entry-only) never does.
                 let span = self.span(trace, id, SpanId::INVALID, name, (ev.ts_ns, end), attrs);
-                if io.parent.is_some_and(|p| p.family != Family::Launch) {
+                if io.parent.is_some_and(|p| p.family.has_return_probe()) {
                     let q = self.ioctls.entry(ev.tid).or_default();
                     let old = if q.len() == IOCTLS_PER_THREAD {
                         q.pop_front()
                     } else {
                         None
                     };
-                    q.push_back(PendingIoctl { ts_ns: ev.ts_ns, span });
+                    q.push_back(PendingIoctl {
+                        pid: ev.pid,
+                        ts_ns: ev.ts_ns,
+                        span,
+                    });
                     if let Some(old) = old {
-                        self.orphan(ev.pid, old.span);
+                        self.orphan(old.pid, old.span);
                     }
                 } else {
                     self.orphan(ev.pid, span);

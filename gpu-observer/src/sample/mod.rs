@@ -340,7 +340,10 @@ impl Sampler {
     }
 }
 
-use nvml::thread_cpu_ns;
+/// CPU time of the calling thread (what the sampler costs, NVML's work in it included).
+fn thread_cpu_ns() -> u64 {
+    crate::pipeline::clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)
+}
 
 fn run(cfg: Config, hub: &Hub, stopped: &mpsc::Receiver<()>) {
     let nvml = match nvml::open(cfg.lib.as_deref()).and_then(|n| n.discover().map(|d| (n, d))) {

@@ -277,14 +277,6 @@ pub struct Tiers {
     pub rare: bool,
 }
 
-/// CPU time of the calling thread.
-pub fn thread_cpu_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: valid timespec out-pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 /// Is this error "the GPU does not have it" (absent from now on), rather than a transient
 /// failure?
 fn unsupported(e: &NvmlError) -> bool {
