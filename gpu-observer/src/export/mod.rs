@@ -7,6 +7,18 @@ pub mod otlp;
 pub mod otlp_metrics;
 pub mod terminal;
 
+/// Seeds 000/003 adaptive sampling: a timed call or GPU record is written (as a line or a
+/// span) when it took at least the threshold, or with trace-all; the rest are only counted.
+pub fn kept(duration_ns: u64, threshold_ns: u64, trace_all: bool) -> bool {
+    trace_all || duration_ns >= threshold_ns
+}
+
+/// The CPU-side calls sampled by duration: copies, memsets, syncs (every other call is kept).
+pub fn sampled_by_duration(family: gpu_observer_common::api::Family) -> bool {
+    use gpu_observer_common::api::Family;
+    matches!(family, Family::Memcpy | Family::Memset | Family::Sync)
+}
+
 /// Seed 003: MB/s = bytes·1e6 / (duration_us·1048576); 0 for a zero duration.
 pub fn bandwidth_mbps(bytes: u64, duration_ns: u64) -> f64 {
     if duration_ns == 0 {

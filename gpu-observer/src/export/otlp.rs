@@ -772,10 +772,10 @@ impl Spans {
             Body::Call(c) => {
                 let Some(api) = ev.api else { return };
                 let family = api.family;
-                let timed = matches!(family, Family::Memcpy | Family::Memset | Family::Sync);
+                let timed = super::sampled_by_duration(family);
                 let end = ev.ts_ns + c.duration_ns;
                 // Adaptive sampling (seeds 000/003), as for JSON lines.
-                if timed && !self.cfg.trace_all && c.duration_ns < self.cfg.threshold_ns {
+                if timed && !super::kept(c.duration_ns, self.cfg.threshold_ns, self.cfg.trace_all) {
                     self.counters.spans_sampled_out.fetch_add(1, Ordering::Relaxed);
                     self.drop_ioctls(ev.tid, ev.ts_ns, end);
                     return;
@@ -877,7 +877,7 @@ impl Spans {
             self.record_kernel(a.pid, &comm, &k.demangled, d);
         }
         let is_slow = d >= self.cfg.threshold_ns;
-        if !self.cfg.trace_all && !is_slow {
+        if !super::kept(d, self.cfg.threshold_ns, self.cfg.trace_all) {
             self.counters.spans_sampled_out.fetch_add(1, Ordering::Relaxed);
             return;
         }

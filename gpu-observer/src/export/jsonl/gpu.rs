@@ -27,7 +27,7 @@ impl<W: Write> JsonlWriter<W> {
             _ => return Ok(()),
         };
         let dur = a.duration_ns();
-        if !self.trace_all && dur < self.threshold_ns {
+        if !crate::export::kept(dur, self.threshold_ns, self.trace_all) {
             self.sampled_out[slot] += 1;
             return Ok(());
         }

@@ -117,7 +117,7 @@ impl<W: Write> JsonlWriter<W> {
             Some(Family::Sync) => 2,
             _ => return false,
         };
-        if self.trace_all || c.duration_ns >= self.threshold_ns {
+        if crate::export::kept(c.duration_ns, self.threshold_ns, self.trace_all) {
             return false;
         }
         self.sampled_out[slot] += 1;
