@@ -1,6 +1,7 @@
 //! Attach: load the eBPF object, hook the tracepoints, and put uprobes on every libcuda file the
 //! observed processes map (each file once, every probed variant it exports).
 
+mod attacher;
 pub mod discover;
 mod multi;
 pub mod symbols;
@@ -23,6 +24,7 @@ use gpu_observer_common::{
     names,
 };
 
+pub use attacher::Attacher;
 pub use discover::FileKey;
 
 /// The eBPF object of gpu-observer, built by build.rs.
