@@ -23,8 +23,9 @@ pub struct Cli {
     #[arg(long, short = 'p', global = true)]
     pub pid: Option<u32>,
 
-    /// Stop after this many seconds (default: until Ctrl-C / SIGTERM).
-    #[arg(long, short = 'd', global = true)]
+    /// Stop after this many seconds (default: until Ctrl-C / SIGTERM); fractions allowed, at
+    /// most a year.
+    #[arg(long, short = 'd', value_parser = parse_duration, global = true)]
     pub duration: Option<f64>,
 
     /// Output: a live terminal table, JSON lines (one event per line), or none (OTLP only).
@@ -35,8 +36,8 @@ pub struct Cli {
     #[arg(long, short = 'o', global = true)]
     pub output: Option<PathBuf>,
 
-    /// Size of the eBPF ring buffer in bytes (a power of two, at least 4096). Raise it if the
-    /// summary reports dropped events.
+    /// Size of the eBPF ring buffer in bytes (a power of two from 4096 to 1 GiB). Raise it if
+    /// the summary reports dropped events.
     #[arg(long, default_value_t = limits::DEFAULT_RING_BYTES, value_parser = parse_ring_size, global = true)]
     pub ring_buffer_size: u32,
 
@@ -47,7 +48,8 @@ pub struct Cli {
 
     /// Copies, memsets and syncs longer than this many microseconds are marked slow
     /// (`is_slow`, seed 003: 100 µs).
-    #[arg(long, default_value_t = 100, alias = "trace-gpu-threshold", global = true)]
+    #[arg(long, default_value_t = 100, alias = "trace-gpu-threshold",
+          value_parser = clap::value_parser!(u64).range(0..=MAX_THRESHOLD_US), global = true)]
     pub threshold_us: u64,
 
     /// Write every copy, memset and sync. Default (seed adaptive sampling): only those taking
@@ -57,7 +59,8 @@ pub struct Cli {
     pub trace_all: bool,
 
     /// CUPTI activity buffer size in bytes for processes started by `run` (seed 000: 8 MB).
-    #[arg(long, default_value_t = 8 * 1024 * 1024, global = true)]
+    #[arg(long, default_value_t = 8 * 1024 * 1024,
+          value_parser = clap::value_parser!(u64).range(4096..=1 << 30), global = true)]
     pub cuda_buffer_size: u64,
 
     /// Most CUPTI records per second a process started by `run` forwards (0: no limit); the
@@ -108,8 +111,8 @@ pub struct Cli {
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(100..=3_600_000), global = true)]
     pub otlp_interval_ms: u64,
 
-    /// Spans waiting for export at most; more are dropped and counted.
-    #[arg(long, default_value_t = 65_536, global = true)]
+    /// Spans waiting for export at most (1 to 16 777 216); more are dropped and counted.
+    #[arg(long, default_value_t = 65_536, value_parser = parse_queue, global = true)]
     pub otlp_queue: usize,
 
     /// Spans per second one process may export (0: no limit); the rest are counted.
@@ -155,8 +158,41 @@ pub enum Format {
     None,
 }
 
+/// Largest `--threshold-us`: an hour (the threshold is kept in ns, which must not overflow).
+pub const MAX_THRESHOLD_US: u64 = 3_600_000_000;
+/// Largest `--duration`: a year, in seconds.
+const MAX_DURATION_S: f64 = 365.0 * 86_400.0;
+/// Largest ring buffer: 1 GiB of kernel memory, locked while the observer runs.
+const MAX_RING_BYTES: u64 = 1 << 30;
+
+fn parse_duration(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds (e.g. 30 or 0.5)"))?;
+    if !v.is_finite() || v <= 0.0 || v > MAX_DURATION_S {
+        return Err(format!(
+            "{s} seconds is out of range: give more than 0 and at most {MAX_DURATION_S} (a year); leave --duration out to observe until Ctrl-C"
+        ));
+    }
+    Ok(v)
+}
+
+fn parse_queue(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<u64>() {
+        Ok(v @ 1..=16_777_216) => Ok(v as usize),
+        _ => Err(format!("`{s}` is not a span count from 1 to 16777216")),
+    }
+}
+
 fn parse_ring_size(s: &str) -> Result<u32, String> {
-    let v: u32 = s.parse().map_err(|_| format!("`{s}` is not a byte count"))?;
+    let v: u64 = s.trim().parse().map_err(|_| format!("`{s}` is not a byte count"))?;
+    if v > MAX_RING_BYTES {
+        return Err(format!(
+            "{v} bytes is too large: the ring buffer is at most {MAX_RING_BYTES} (1 GiB) of locked kernel memory"
+        ));
+    }
+    let v = v as u32;
     if v < 4096 || !v.is_power_of_two() {
         return Err(format!(
             "{v} is not a power of two of at least 4096 (try 8388608 for 8 MiB)"
@@ -175,6 +211,22 @@ mod tests {
         assert!(parse_ring_size("5000").is_err());
         assert!(parse_ring_size("2048").is_err());
         assert!(parse_ring_size("lots").is_err());
+        assert_eq!(parse_ring_size("1073741824"), Ok(1 << 30));
+        let e = parse_ring_size("2147483648").unwrap_err();
+        assert!(e.contains("too large"), "{e}");
+        assert!(parse_ring_size("8589934592").unwrap_err().contains("too large"));
+    }
+
+    #[test]
+    fn numbers_that_would_overflow_or_never_end_are_refused() {
+        assert_eq!(parse_duration("2.5"), Ok(2.5));
+        for bad in ["inf", "-1", "0", "nan", "1e300", "soon"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+        assert!(Cli::try_parse_from(["gpu-observer", "--threshold-us", "18446744073709551615"]).is_err());
+        assert!(Cli::try_parse_from(["gpu-observer", "--threshold-us", "3600000000"]).is_ok());
+        assert!(Cli::try_parse_from(["gpu-observer", "--otlp-queue", "0"]).is_err());
+        assert!(Cli::try_parse_from(["gpu-observer", "--otlp-queue", "18446744073709551615"]).is_err());
     }
 
     #[test]

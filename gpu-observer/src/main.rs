@@ -17,7 +17,6 @@ mod spawn;
 
 use std::{
     collections::HashSet,
-    fs::File,
     io::{BufWriter, IsTerminal, Write},
     path::Path,
     sync::Arc,
@@ -42,7 +41,7 @@ fn main() {
         std::process::exit(match export::devices::print(&cli) {
             Ok(()) => 0,
             Err(e) => {
-                eprintln!("gpu-observer: error: {e:#}");
+                eprintln!("gpu-observer: error: {}", export::text::message(&format!("{e:#}")));
                 1
             }
         });
@@ -57,35 +56,43 @@ fn main() {
     match rt.block_on(observe(cli)) {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("gpu-observer: error: {e:#}");
+            eprintln!("gpu-observer: error: {}", export::text::message(&format!("{e:#}")));
             std::process::exit(1);
         }
     }
 }
 
+/// A line on stderr. Messages name paths and processes that observed programs control: what
+/// is left of their control characters is escaped here (export/text.rs).
 pub(crate) fn say(msg: impl std::fmt::Display) {
-    eprintln!("gpu-observer: {msg}");
+    eprintln!("gpu-observer: {}", export::text::message(&msg.to_string()));
 }
 
 /// Observes until Ctrl-C, `--duration`, or the end of the observed (or started) process; the
 /// exit code: 0, or the started program's.
 async fn observe(cli: Cli) -> Result<i32> {
-    for w in preflight::check()? {
-        say(format_args!("warning: {w}"));
-    }
-    if let Some(pid) = cli.pid
-        && (pid == 0 || !Path::new(&format!("/proc/{pid}")).exists())
-    {
-        bail!(
-            "no process with pid {pid}: check it with `ps -p {pid}` (gpu-observer without --pid observes every process)"
-        );
-    }
+    // Everything the user gave is checked before anything is loaded or attached.
     if cli.format == Format::Json {
         bail!("--format json is for `gpu-observer devices`; events are written with --format jsonl");
     }
-    if cli.format == Format::None && !export::otlp::wanted(cli.otlp_endpoint.as_deref()) {
+    let otlp_wanted = export::otlp::wanted(cli.otlp_endpoint.as_deref());
+    if cli.format == Format::None && !otlp_wanted {
         bail!("--format none writes nothing locally: use it with --otlp-endpoint (or OTEL_EXPORTER_OTLP_ENDPOINT)");
     }
+    let otlp_grpc = if otlp_wanted {
+        export::otlp::check_endpoints(cli.otlp_endpoint.as_deref())?;
+        Some(export::otlp::grpc(cli.otlp_protocol.as_deref())?)
+    } else {
+        None
+    };
+    if let Some(pid) = cli.pid {
+        preflight::check_pid(pid)?;
+    }
+    for w in preflight::check()? {
+        say(format_args!("warning: {w}"));
+    }
+    // Opened now, so a refused or unwritable --output fails before anything attaches.
+    let sink = Sink::open(cli.output.as_deref())?;
     let mut spawned = match &cli.command {
         Some(Command::Run { .. }) if cli.pid.is_some() => {
             bail!("`run` observes the program it starts: drop --pid")
@@ -121,14 +128,14 @@ async fn observe(cli: Cli) -> Result<i32> {
     }
     let mapped = at.rescan();
 
-    let output = match cli.format {
-        Format::Jsonl => Some(JsonlWriter::new(
-            open_output(cli.output.as_deref())?,
-            cli.threshold_us * 1000,
-            cli.trace_all,
-        )),
-        Format::Terminal | Format::Json | Format::None => None,
+    let (output, mut summary_sink) = match cli.format {
+        Format::Jsonl => (
+            Some(JsonlWriter::new(sink.writer, cli.threshold_us * 1000, cli.trace_all)),
+            None,
+        ),
+        Format::Terminal | Format::Json | Format::None => (None, Some(sink.writer)),
     };
+    let dest = sink.name;
     let nvml_interval = Duration::from_millis(cli.nvml_interval_ms);
     let hub = Arc::new(sample::Hub::new(
         if cli.no_nvml {
@@ -150,8 +157,7 @@ async fn observe(cli: Cli) -> Result<i32> {
         Some(sample::Sampler::spawn(cfg, hub.clone())?)
     };
     let shared = Arc::new(Shared::new(Correlator::new(cli.threshold_us * 1000), hub.clone()));
-    let otlp = if export::otlp::wanted(cli.otlp_endpoint.as_deref()) {
-        let grpc = export::otlp::grpc(cli.otlp_protocol.as_deref())?;
+    let otlp = if let Some(grpc) = otlp_grpc {
         // The driver version for the resource, when NVML is up in time.
         for _ in 0..20 {
             if hub.lock().state != sample::State::Starting {
@@ -229,9 +235,15 @@ async fn observe(cli: Cli) -> Result<i32> {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let deadline = cli.duration.map(|s| started + Duration::from_secs_f64(s.max(0.0)));
     let mut last_drops = 0;
+    // Set when an output fails (a closed pipe, a full disk): observing stops at once.
+    let mut output_failed = false;
     loop {
         let sleep_until = deadline.map(tokio::time::Instant::from_std);
         tokio::select! {
+            _ = shared.output_failed.notified() => {
+                output_failed = true;
+                break;
+            }
             _ = sigint.recv() => break,
             _ = sigterm.recv() => break,
             _ = sigusr1.recv() => {
@@ -278,8 +290,12 @@ async fn observe(cli: Cli) -> Result<i32> {
                     let text = view.render(&corr, &gpus, &drops, interval.as_secs_f64(), started.elapsed().as_secs_f64());
                     drop(gpus);
                     drop(corr);
-                    print!("\x1b[H\x1b[2J{text}");
-                    let _ = std::io::stdout().flush();
+                    let mut so = std::io::stdout().lock();
+                    if let Err(e) = write!(so, "\x1b[H\x1b[2J{text}").and_then(|()| so.flush()) {
+                        say(format_args!("error: writing the live view to {dest} failed: {e}; stopping"));
+                        output_failed = true;
+                        break;
+                    }
                 }
             }
         }
@@ -296,12 +312,28 @@ async fn observe(cli: Cli) -> Result<i32> {
             say(format_args!("process {} still runs; no longer observed", s.pid()));
         }
     }
-    // Programs stop producing first, so the reader's last drain sees everything they produced.
-    if let Some(s) = sampler {
-        s.stop();
-    }
+    // The probes stop producing first: nothing waits on a program that is still running.
     at.probes.disable()?;
-    let output = reader.stop()?;
+    // Then the sampler, so the reader's last drain has its last samples; an NVML call that
+    // hangs is left behind rather than holding the exit (the process ends without it).
+    if let Some(s) = sampler
+        && !s.stop(SAMPLER_STOP_TIMEOUT)
+    {
+        say(format_args!(
+            "warning: an NVML call has not returned for {} s; exiting without waiting for it",
+            SAMPLER_STOP_TIMEOUT.as_secs()
+        ));
+    }
+    let output = match reader.stop() {
+        Ok(o) => o,
+        Err(e) => {
+            say(format_args!(
+                "error: writing JSON lines to {dest} failed: {e:#}; stopped observing"
+            ));
+            output_failed = true;
+            None
+        }
+    };
     let exported = otlp.map(|o| {
         let c = o.counters.clone();
         o.shutdown(Duration::from_secs(5));
@@ -327,34 +359,61 @@ async fn observe(cli: Cli) -> Result<i32> {
         .sum();
     let gpus = hub.lock();
     let text = terminal::final_summary(&corr, &gpus, &drops, wall_ns);
-    match output {
-        Some(mut out) => {
-            out.summary(&corr, &gpus, &drops, wall_ns, unattributed, exported.as_ref())?;
-            out.into_inner().flush()?;
+    let written = match (output, summary_sink.as_mut()) {
+        (Some(mut out), _) => out
+            .summary(&corr, &gpus, &drops, wall_ns, unattributed, exported.as_ref())
+            .and_then(|()| out.into_inner().flush())
+            .map(|()| say(format_args!("{} events, {} dropped", corr.events, drops.total))),
+        (None, Some(out)) if cli.format == Format::Terminal => {
+            out.write_all(text.as_bytes()).and_then(|()| out.flush())
+        }
+        _ if output_failed => Err(std::io::Error::other("the output had already failed")),
+        _ => {
             say(format_args!("{} events, {} dropped", corr.events, drops.total));
+            Ok(())
         }
-        None if cli.format == Format::None => {
-            say(format_args!("{} events, {} dropped", corr.events, drops.total));
+    };
+    if let Err(e) = written {
+        if !output_failed {
+            say(format_args!("error: writing the summary to {dest} failed: {e}"));
         }
-        None => {
-            let mut out = open_output(cli.output.as_deref())?;
-            out.write_all(text.as_bytes())?;
-            out.flush()?;
-        }
+        output_failed = true;
+    }
+    if output_failed {
+        // The summary still reaches the person: on stderr.
+        eprint!("{text}");
     }
     drop(corr);
     drop(gpus);
     // Detaching: ~0.4 s with uprobe-multi links (see attach/multi.rs).
     drop(at);
+    if output_failed {
+        return Ok(1);
+    }
     Ok(exit_status.map_or(0, spawn::Spawned::exit_code))
 }
 
-fn open_output(path: Option<&Path>) -> Result<Box<dyn Write + Send>> {
-    Ok(match path {
-        Some(p) => Box::new(BufWriter::with_capacity(
-            1 << 16,
-            File::create(p).with_context(|| format!("cannot create --output {}", p.display()))?,
-        )),
-        None => Box::new(BufWriter::with_capacity(1 << 16, std::io::stdout())),
-    })
+/// How long shutdown waits for the NVML sampler's call in progress.
+const SAMPLER_STOP_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Where output goes: `--output` (opened safely, export/output.rs) or stdout.
+struct Sink {
+    writer: Box<dyn Write + Send>,
+    /// For messages: the path, or "stdout".
+    name: String,
+}
+
+impl Sink {
+    fn open(path: Option<&Path>) -> Result<Self> {
+        Ok(match path {
+            Some(p) => Self {
+                writer: Box::new(BufWriter::with_capacity(1 << 16, export::output::create(p)?)),
+                name: export::text::printable(&p.display().to_string()),
+            },
+            None => Self {
+                writer: Box::new(BufWriter::with_capacity(1 << 16, std::io::stdout())),
+                name: "stdout".into(),
+            },
+        })
+    }
 }

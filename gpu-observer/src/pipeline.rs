@@ -46,6 +46,9 @@ pub struct Shared {
     pub nvml: Arc<Hub>,
     /// What the main task knows that the exporters report: drops by kind, attach failures.
     pub agent: Mutex<AgentStats>,
+    /// Notified when the reader's output fails (a closed pipe, a full disk): the main task
+    /// stops observing at once instead of at the next signal.
+    pub output_failed: tokio::sync::Notify,
 }
 
 #[derive(Default)]
@@ -62,6 +65,7 @@ impl Shared {
             agent: Mutex::new(AgentStats::default()),
             stop: AtomicBool::new(false),
             dump_leaks: AtomicBool::new(false),
+            output_failed: tokio::sync::Notify::new(),
         }
     }
 }
@@ -97,9 +101,14 @@ impl Reader {
         otlp: Option<otlp::Sender>,
     ) -> Result<Self> {
         let s = shared.clone();
-        let handle = std::thread::Builder::new()
-            .name("ring-reader".into())
-            .spawn(move || run(ring, &s, output, otlp.as_ref()))?;
+        let handle = std::thread::Builder::new().name("ring-reader".into()).spawn(move || {
+            let r = run(ring, &s, output, otlp.as_ref());
+            if r.is_err() {
+                // A permit is stored if the main task is not waiting yet: never lost.
+                s.output_failed.notify_one();
+            }
+            r
+        })?;
         Ok(Self { shared, handle })
     }
 
@@ -117,7 +126,11 @@ impl Reader {
 /// uprobes only.
 fn report_changes(changes: &[(u32, u64, String, Status)], output: &mut Option<Output>) -> Result<()> {
     for (pid, ts, comm, status) in changes {
-        eprintln!("gpu-observer: pid {pid} ({comm}): {}", state_message(status.state));
+        crate::say(format_args!(
+            "pid {pid} ({}): {}",
+            crate::export::text::Printable(comm),
+            state_message(status.state)
+        ));
         if let Some(out) = output.as_mut() {
             out.cupti(*pid, *ts, comm, status)?;
         }

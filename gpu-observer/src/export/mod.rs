@@ -5,7 +5,9 @@ pub mod devices;
 pub mod jsonl;
 pub mod otlp;
 pub mod otlp_metrics;
+pub mod output;
 pub mod terminal;
+pub mod text;
 
 /// Seeds 000/003 adaptive sampling: a timed call or GPU record is written (as a line or a
 /// span) when it took at least the threshold, or with trace-all; the rest are only counted.

@@ -99,14 +99,18 @@ pub struct Otlp {
     pub counters: Arc<Counters>,
     thread: Option<JoinHandle<()>>,
     meters: SdkMeterProvider,
-    /// Its own runtime (tonic needs one); shut down in the background, as the agent's main
-    /// task runs inside another runtime where a blocking drop is not allowed.
-    rt: Option<tokio::runtime::Runtime>,
+    /// Its own runtime (tonic needs one).
+    _rt: BackgroundRuntime,
 }
 
-impl Drop for Otlp {
+/// The exporter's runtime, shut down in the background when dropped: the agent's main task
+/// runs inside another runtime, where a blocking drop panics — on every path, the error
+/// returns of [`start`] included.
+struct BackgroundRuntime(Option<tokio::runtime::Runtime>);
+
+impl Drop for BackgroundRuntime {
     fn drop(&mut self) {
-        if let Some(rt) = self.rt.take() {
+        if let Some(rt) = self.0.take() {
             rt.shutdown_background();
         }
     }
@@ -381,13 +385,16 @@ fn configure<B: WithExportConfig>(b: B, cfg: &Config, path: &str) -> B {
 /// Starts the exporter: builds both OTLP exporters (errors here are configuration errors),
 /// the metric instruments and the span thread.
 pub fn start(cfg: Config, shared: Arc<Shared>, hub: Arc<Hub>, backends: &str) -> Result<Otlp> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .thread_name("otlp-io")
-        .enable_all()
-        .build()
-        .context("cannot start the OTLP runtime")?;
-    let _guard = rt.enter();
+    let rt = BackgroundRuntime(Some(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("otlp-io")
+            .enable_all()
+            .build()
+            .context("cannot start the OTLP runtime")?,
+    ));
+    let handle = rt.0.as_ref().expect("just built").handle().clone();
+    let _guard = handle.enter();
     let (driver, cuda) = hub
         .lock()
         .devices
@@ -443,18 +450,18 @@ pub fn start(cfg: Config, shared: Arc<Shared>, hub: Arc<Hub>, backends: &str) ->
     let procs = ProcAttrs::new(cfg.command_line);
     let kernel_time = super::otlp_metrics::register(&meters, &shared, &hub, &counters, &procs);
     let (tx, rx) = sync_channel(cfg.queue);
-    let handle = rt.handle().clone();
     let c = counters.clone();
-    let thread = std::thread::Builder::new()
-        .name("otlp-export".into())
-        .spawn(move || Spans::new(cfg, c, kernel_time, procs).run(&rx, &spans, &handle))?;
+    let thread = std::thread::Builder::new().name("otlp-export".into()).spawn({
+        let handle = handle.clone();
+        move || Spans::new(cfg, c, kernel_time, procs).run(&rx, &spans, &handle)
+    })?;
     drop(_guard);
     Ok(Otlp {
         tx: Some(tx),
         counters,
         thread: Some(thread),
         meters,
-        rt: Some(rt),
+        _rt: rt,
     })
 }
 
@@ -944,16 +951,57 @@ fn value(v: attributes::Value) -> Value {
     }
 }
 
+/// The standard variables that name a collector (OpenTelemetry's exporter specification).
+const ENDPOINT_VARS: [&str; 3] = [
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+];
+
 /// Whether OTLP export was asked for: the flag, or the standard environment.
 pub fn wanted(endpoint: Option<&str>) -> bool {
     endpoint.is_some()
-        || [
-            "OTEL_EXPORTER_OTLP_ENDPOINT",
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
-        ]
-        .iter()
-        .any(|v| std::env::var(v).is_ok_and(|s| !s.is_empty()))
+        || ENDPOINT_VARS
+            .iter()
+            .any(|v| std::env::var(v).is_ok_and(|s| !s.is_empty()))
+}
+
+/// Checks every endpoint the exporters would use — the flag and the standard variables — at
+/// start-up, before anything is attached: the exporters' own parse errors come late and, inside
+/// the agent's runtime, used to end in a panic that hid them.
+pub fn check_endpoints(flag: Option<&str>) -> Result<()> {
+    let mut given: Vec<(String, String)> = Vec::new();
+    if let Some(f) = flag {
+        given.push(("--otlp-endpoint".into(), f.to_string()));
+    }
+    for v in ENDPOINT_VARS {
+        if let Ok(s) = std::env::var(v)
+            && !s.is_empty()
+        {
+            given.push((v.to_string(), s));
+        }
+    }
+    for (source, url) in given {
+        check_endpoint(&url).map_err(|why| {
+            anyhow::anyhow!(
+                "{source} {url:?} is not a collector URL: {why}; give one like http://localhost:4317 (gRPC) or http://localhost:4318 (HTTP/protobuf)"
+            )
+        })?;
+    }
+    Ok(())
+}
+
+fn check_endpoint(url: &str) -> std::result::Result<(), String> {
+    let uri: http::Uri = url.trim().parse().map_err(|e| format!("{e}"))?;
+    match uri.scheme_str() {
+        Some("http" | "https") => {}
+        Some(other) => return Err(format!("the scheme must be http or https, not {other}")),
+        None => return Err("it has no scheme (http:// or https://)".into()),
+    }
+    match uri.host() {
+        Some(h) if !h.is_empty() => Ok(()),
+        _ => Err("it names no host".into()),
+    }
 }
 
 /// gRPC unless `--otlp-protocol` or `OTEL_EXPORTER_OTLP_PROTOCOL` says HTTP/protobuf.

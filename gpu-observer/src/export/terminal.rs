@@ -4,6 +4,7 @@ use std::{collections::HashMap, fmt::Write as _};
 
 use gpu_observer_common::api::Direction;
 
+use super::text::{Printable, printable};
 use crate::{
     attach::Drops,
     correlate::{Correlator, Stats},
@@ -85,7 +86,7 @@ impl LiveView {
                 out,
                 "{:>8} {:<16} {:>10.0} {:>10.0} {:>11.1} {:>10.0} {:>11.1} {:>14.0} {:>9.1}% {:>8.0} {:>7.2}",
                 p.pid,
-                p.comm,
+                Printable(&p.comm),
                 rate(now.launches - before.launches),
                 rate(h2d_n),
                 h2d_mb,
@@ -125,18 +126,20 @@ impl LiveView {
     }
 }
 
+/// A kernel name cut to `max` characters, escaped for the terminal (names come from the
+/// observed programs).
 fn shorten(s: &str, max: usize) -> String {
     if s.chars().count() <= max {
-        s.to_string()
+        printable(s)
     } else {
-        format!("{}…", s.chars().take(max).collect::<String>())
+        format!("{}…", printable(&s.chars().take(max).collect::<String>()))
     }
 }
 
 /// One line per GPU: its latest NVML sample.
 fn devices_now(out: &mut String, gpus: &HubState) {
     if gpus.state == State::Unavailable {
-        let _ = writeln!(out, "NVML unavailable: {}", gpus.message);
+        let _ = writeln!(out, "NVML unavailable: {}", Printable(&gpus.message));
     }
     for (d, s) in gpus.latest() {
         let Some(s) = s else { continue };
@@ -174,7 +177,7 @@ fn devices_now(out: &mut String, gpus: &HubState) {
         if let Some(x) = s.last_xid {
             parts.push(format!("Xid {x} ({} errors)", s.xid_errors.unwrap_or(0)));
         }
-        let _ = writeln!(out, "GPU {} {}: {}", d.index, d.name, parts.join(", "));
+        let _ = writeln!(out, "GPU {} {}: {}", d.index, Printable(&d.name), parts.join(", "));
     }
 }
 
@@ -218,7 +221,7 @@ fn devices_summary(out: &mut String, gpus: &HubState) {
                     out,
                     "\nGPU {} {} ({}): {} samples\n  utilization   {}\n  memory        {} max of {}\n  power         {}\n  temperature   {}\n  slowed        {} samples (power/thermal/clock caps)",
                     d.index,
-                    d.name,
+                    Printable(&d.name),
                     d.uuid.as_deref().unwrap_or("-"),
                     t.samples,
                     pct(&t.util_gpu),
@@ -266,7 +269,7 @@ pub fn leak_report(corr: &Correlator) -> String {
                 out,
                 "  pid {:>7} {:<16} {:<28} {:>8} × {} ({}){}",
                 p.pid,
-                p.comm,
+                Printable(&p.comm),
                 l.api,
                 l.count,
                 human_bytes(l.bytes),
@@ -304,7 +307,7 @@ pub fn final_summary(corr: &Correlator, gpus: &HubState, drops: &Drops, wall_ns:
             out,
             "\npid {} ({}){}: {} events, {} dropped",
             p.pid,
-            p.comm,
+            Printable(&p.comm),
             if p.exited { ", exited" } else { "" },
             s.events,
             dropped
@@ -432,7 +435,12 @@ pub fn final_summary(corr: &Correlator, gpus: &HubState, drops: &Drops, wall_ns:
     if !others.is_empty() {
         out.push_str("\nother processes on the GPUs (NVML)\n");
         for (pid, u) in others {
-            let _ = writeln!(out, "  pid {pid:>7} {:<16} {}", u.comm, process_use(u, false));
+            let _ = writeln!(
+                out,
+                "  pid {pid:>7} {:<16} {}",
+                Printable(&u.comm),
+                process_use(u, false)
+            );
         }
     }
     out

@@ -333,10 +333,20 @@ impl Sampler {
         Ok(Self { stop, handle })
     }
 
-    /// Stops after the sample in progress.
-    pub fn stop(self) {
+    /// Stops after the sample in progress, waiting at most `timeout` for it: an NVML call can
+    /// hang in the driver, and must not hold the observer's exit. False when it did not stop
+    /// in time (the thread is left to the process's exit).
+    pub fn stop(self, timeout: Duration) -> bool {
         drop(self.stop);
+        let deadline = Instant::now() + timeout;
+        while !self.handle.is_finished() {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
         let _ = self.handle.join();
+        true
     }
 }
 
