@@ -31,11 +31,14 @@ of the calls made inside it also ran inside it.
 
 Strict checks (any failure -> exit 1), per window:
   (i)   every gpu_kernel line joined to its launch (launch_ts_ns not null): 100 %;
-  (ii)  joined lines whose launch_ts_ns lies inside CUPTI's record of the same API call,
-        [cupti_api_start_ns - 5 us, cupti_api_end_ns + 5 us]: 100 % (the same clock and the
-        same call); |launch_ts_ns - cupti_api_start_ns| <= 5 us is shown beside it with its
-        distribution (median, p99, max, per cupti_api): calls that do lazy work before the
-        driver entry (a kernel's first launch loads its module) start earlier than it;
+  (ii)  the timestamp criterion (decided for issue 4): the uprobe stamp precedes CUPTI's
+        API start and lies within 5 us of it, 0 <= cupti_api_start_ns - launch_ts_ns <= 5 us,
+        for >= 99 % of the joined lines (the rest is driver work before CUPTI's callback,
+        docs/OUTLIERS.md). Where CUPTI timed the runtime call the driver call was made from
+        (cupti_api cuda*, e.g. cudaLaunchKernel under PyTorch), that call starts before the
+        driver entry the uprobe stamps, so |cupti_api_start_ns - launch_ts_ns| <= 5 us counts;
+        shown beside it: the distribution (median, p99, max, per cupti_api), the lines outside
+        CUPTI's record of the call +- 5 us, and the driver-timed lines CUPTI started first;
   (iii) gpu_kernel lines (not from a graph) = uprobe launch events (not cuGraphLaunch*);
         and = the launches the workload knows it made (phase A, ground truth, copies_kernels)
         or, where the workload recorded them, torch.profiler's kernels (phase B);
@@ -70,6 +73,8 @@ from compare import (  # noqa: E402
 )
 
 TOLERANCE_NS = 5000
+# Share of joined lines that must meet the timestamp criterion (ii).
+TIMESTAMP_SHARE = 0.99
 GPU_TYPES = ("gpu_kernel", "gpu_memcpy", "gpu_memset")
 # copy_kind of gpu_memcpy -> direction of the uprobe memcpy event
 KIND_DIRECTION = {"htod": "cpu_to_gpu", "dtoh": "gpu_to_cpu", "dtod": "gpu_to_gpu"}
@@ -242,6 +247,20 @@ def is_graph_api(api):
     return str(api or "").startswith("cuGraphLaunch")
 
 
+def driver_timed(k):
+    """Whether CUPTI's API record is the probed driver call itself (not a cuda* runtime call)."""
+    return not str(k.get("cupti_api") or k.get("api") or "").startswith("cuda")
+
+
+def timestamp_ok(k, tol):
+    """The timestamp criterion (ii) for one joined line."""
+    start, ts = k.get("cupti_api_start_ns"), k.get("launch_ts_ns")
+    if start is None or ts is None:
+        return False
+    d = start - ts
+    return 0 <= d <= tol if driver_timed(k) else abs(d) <= tol
+
+
 def in_range(ts, s, e):
     return ts is not None and s <= ts <= e
 
@@ -256,20 +275,24 @@ def kernel_checks(kernels, launches, tol, strict_delta=True):
     deltas = [k["cupti_api_start_ns"] - k["launch_ts_ns"] for k in joined
               if k["cupti_api_start_ns"] is not None]
     no_api = len(joined) - len(deltas)
-    # Same clock, same call: the uprobe's timestamp of the call lies inside CUPTI's own record
-    # of it, to the tolerance (the uprobe fires at the driver entry, just before CUPTI stamps a
-    # driver call, and inside a runtime call such as cudaLaunchKernel).
+    # The criterion (ii): the uprobe fires at the driver entry, before CUPTI's callback stamps a
+    # driver call; a runtime call (cudaLaunchKernel) starts before the driver entry it makes.
+    meets = sum(1 for k in joined if timestamp_ok(k, tol))
+    need = -(-len(joined) * round(TIMESTAMP_SHARE * 100) // 100)  # ceil(99 % of n)
+    checks.append(Check(f"joined lines whose uprobe stamp precedes CUPTI's API start by ≤ {tol} ns "
+                        f"(runtime-timed: |Δ| ≤ {tol} ns), at least {TIMESTAMP_SHARE:.0%}",
+                        f"≥ {need} of {len(joined)}", meets, strict_delta,
+                        ok=len(joined) > 0 and meets >= need))
     inside = sum(1 for k in joined if k["cupti_api_start_ns"] is not None
                  and k["cupti_api_end_ns"] is not None
                  and k["cupti_api_start_ns"] - tol <= k["launch_ts_ns"] <= k["cupti_api_end_ns"] + tol)
     checks.append(Check(f"joined lines whose launch_ts_ns lies in CUPTI's API record ± {tol} ns",
-                        len(joined), inside, strict_delta,
-                        ok=len(joined) > 0 and inside == len(joined)))
-    # Start to start: calls that do lazy work (first launch of a kernel loads its module)
-    # start well before the driver entry; shown with its distribution, not strict.
+                        len(joined), inside, False))
+    early = sum(1 for k in joined if driver_timed(k) and k["cupti_api_start_ns"] is not None
+                and k["cupti_api_start_ns"] < k["launch_ts_ns"])
+    checks.append(Check("driver-timed joined lines whose CUPTI API start precedes the uprobe stamp",
+                        0, early, False))
     within = sum(1 for x in deltas if abs(x) <= tol)
-    checks.append(Check(f"joined lines with abs(launch_ts_ns − cupti_api_start_ns) ≤ {tol} ns",
-                        len(joined), within, False))
     if no_api:
         checks.append(Check("joined lines without cupti_api_start_ns", 0, no_api, False))
     bad_order = sum(1 for k in kernels if k["gpu_start_ns"] is not None and k["gpu_end_ns"] is not None

@@ -176,6 +176,15 @@ check "cupti torch: one unjoined gpu_kernel -> fail" 1 "$(cu_rc "$T/ct2" cupti_c
 "$PY" "$HERE/synth.py" cupti_torch "$T/ct3" --ts-off 1
 check "cupti torch: CUPTI API timestamp 6 us off -> fail" 1 "$(cu_rc "$T/ct3" cupti_ct3)"
 check "cupti torch: the line over tolerance is listed" 0 "$(has "over tolerance" "$T/cupti_ct3.section.md")"
+# the >= 99 % criterion on phase B's 272 lines: 2 off (99.3 %) passes, 3 off (98.9 %) fails
+"$PY" "$HERE/synth.py" cupti_torch "$T/ct3b" --ts-off-last 2
+check "cupti torch: 2 of 272 lines 6 us late -> pass (>= 99 %)" 0 "$(cu_rc "$T/ct3b" cupti_ct3b)"
+check "cupti torch: the criterion row" 0 "$(has "| ≥ 270 of 272 | 270 |" "$T/cupti_ct3b.section.md")"
+"$PY" "$HERE/synth.py" cupti_torch "$T/ct3c" --ts-off-last 3
+check "cupti torch: 3 of 272 lines 6 us late -> fail (< 99 %)" 1 "$(cu_rc "$T/ct3c" cupti_ct3c)"
+"$PY" "$HERE/synth.py" cupti_torch "$T/ct3d" --early-last 3
+check "cupti torch: 3 driver-timed lines CUPTI stamped first -> fail" 1 "$(cu_rc "$T/ct3d" cupti_ct3d)"
+check "cupti torch: CUPTI-first lines counted" 0 "$(has "CUPTI API start precedes the uprobe stamp | 0 | 3" "$T/cupti_ct3d.section.md")"
 "$PY" "$HERE/synth.py" cupti_torch "$T/ct4" --drop-gpu-kernel 1
 check "cupti torch: missing gpu_kernel -> fail" 1 "$(cu_rc "$T/ct4" cupti_ct4)"
 "$PY" "$HERE/synth.py" cupti_torch "$T/ct5" --state busy

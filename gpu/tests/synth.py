@@ -416,6 +416,13 @@ def add_cupti(a, out, w, opid, windows, names=None):
         g.update(launch_ts_ns=None, queue_delay_ns=None, api=None)
     for g in [g for g in inwin if g["launch_ts_ns"] is not None][:a.ts_off]:
         g["cupti_api_start_ns"] = g["launch_ts_ns"] + 6000
+    # the last window's last joined lines: CUPTI's start 6 us late, or before the uprobe stamp
+    late = [g for g in inwin if g["launch_ts_ns"] is not None]
+    for g in late[len(late) - a.ts_off_last:] if a.ts_off_last else []:
+        g["cupti_api_start_ns"] = g["launch_ts_ns"] + 6000
+    driver = [g for g in late if not str(g.get("cupti_api")).startswith("cuda")]
+    for g in driver[len(driver) - a.early_last:] if a.early_last else []:
+        g["cupti_api_start_ns"] = g["launch_ts_ns"] - 1000
     drop = {id(g) for g in inwin[len(inwin) // 2:len(inwin) // 2 + a.drop_gpu_kernel]}
     gpu = [g for g in gpu if id(g) not in drop]
     if a.warmup_outlier:
@@ -563,6 +570,10 @@ def main():
     ap.add_argument("--unjoined", type=int, default=0, help="cupti: K gpu_kernel lines unjoined")
     ap.add_argument("--ts-off", type=int, default=0,
                     help="cupti: K joined lines with cupti_api_start_ns 6 us after launch_ts_ns")
+    ap.add_argument("--ts-off-last", type=int, default=0,
+                    help="cupti: the last K joined lines (phase B) with cupti_api_start_ns 6 us late")
+    ap.add_argument("--early-last", type=int, default=0,
+                    help="cupti: the last K driver-timed joined lines with CUPTI's start 1 us first")
     ap.add_argument("--drop-gpu-kernel", type=int, default=0, help="cupti: K gpu_kernel lines missing")
     ap.add_argument("--state", default="active", help="cupti: the process's CUPTI state")
     ap.add_argument("--warmup-outlier", action="store_true",
