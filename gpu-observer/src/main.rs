@@ -149,7 +149,10 @@ async fn observe(cli: Cli) -> Result<i32> {
         };
         Some(sample::Sampler::spawn(cfg, hub.clone())?)
     };
-    let shared = Arc::new(Shared::new(Correlator::new(cli.threshold_us * 1000), hub.clone()));
+    let shared = Arc::new(Shared::new(
+        Correlator::new(cli.threshold_us * 1000).with_memory_limit_mb(cli.memory_limit_mb),
+        hub.clone(),
+    ));
     let otlp = if export::otlp::wanted(cli.otlp_endpoint.as_deref()) {
         let grpc = export::otlp::grpc(cli.otlp_protocol.as_deref())?;
         // The driver version for the resource, when NVML is up in time.
