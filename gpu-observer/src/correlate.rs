@@ -41,26 +41,45 @@ const EXITED_COST: u64 = 48 * 1024;
 /// Kernels an exited process keeps for its final summary (the most launched).
 const EXITED_TOP_KERNELS: usize = 16;
 
-/// How much of the agent's memory each growable table may use, over all processes together,
-/// derived from `--memory-limit-mb`: a quarter for kernel names, an eighth for live
-/// allocations, an eighth for exited processes' counters; the rest is the agent's fixed part
-/// (the ring buffer mapped in, CUPTI and OTLP queues, code, allocator slack).
+/// How much of the agent's memory each growable table may use, over all processes together.
+///
+/// Derived from `--memory-limit-mb` once the agent runs (at the first event): what the agent
+/// already holds then (its resident set: code, the loaded eBPF objects, buffers), twice the
+/// ring buffer (its data pages are mapped twice) and [`SLACK_BYTES`] are taken off; of the rest,
+/// half is for kernel names, a quarter for live allocations, a quarter for exited processes'
+/// counters. Never less than [`MIN_TABLES_BYTES`] in all: a limit below what the agent needs to
+/// run cannot be kept, and the summary's `memory_budget` shows what was used.
 #[derive(Clone, Copy, Debug)]
 pub struct Budget {
     pub limit_mb: u64,
+    /// Bytes for the tables, over all processes (0 until derived).
+    pub tables_bytes: u64,
     pub name_bytes: u64,
     pub allocs: u64,
     pub exited: usize,
 }
 
+/// Allocator slack and what the final summary's formatting needs.
+const SLACK_BYTES: u64 = 8 << 20;
+/// The least the tables get whatever the limit.
+const MIN_TABLES_BYTES: u64 = 4 << 20;
+
 impl Budget {
-    pub fn from_limit_mb(mb: u64) -> Self {
-        let bytes = mb.saturating_mul(1 << 20);
+    /// Budgets for `mb` when the agent already holds `resident` bytes and maps a ring of
+    /// `ring_bytes`.
+    pub fn derive(mb: u64, resident: u64, ring_bytes: u64) -> Self {
+        let limit = mb.saturating_mul(1 << 20);
+        let tables = limit
+            .saturating_sub(resident)
+            .saturating_sub(ring_bytes.saturating_mul(2))
+            .saturating_sub(SLACK_BYTES)
+            .max(MIN_TABLES_BYTES);
         Self {
             limit_mb: mb,
-            name_bytes: bytes / 4,
-            allocs: bytes / 8 / ALLOC_COST,
-            exited: usize::try_from(bytes / 8 / EXITED_COST)
+            tables_bytes: tables,
+            name_bytes: tables / 2,
+            allocs: tables / 4 / ALLOC_COST,
+            exited: usize::try_from(tables / 4 / EXITED_COST)
                 .unwrap_or(MAX_EXITED)
                 .clamp(16, MAX_EXITED),
         }
@@ -69,8 +88,19 @@ impl Budget {
 
 impl Default for Budget {
     fn default() -> Self {
-        Self::from_limit_mb(DEFAULT_MEMORY_LIMIT_MB)
+        Self::derive(DEFAULT_MEMORY_LIMIT_MB, 0, 0)
     }
+}
+
+/// The agent's resident set now, in bytes (0 when /proc cannot say).
+fn resident_bytes() -> u64 {
+    let pages = std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()))
+        .unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    pages.saturating_mul(u64::try_from(page).unwrap_or(4096))
 }
 
 /// The agent's default memory ceiling (`--memory-limit-mb`).
@@ -358,7 +388,7 @@ impl Process {
         // Kernel launch counts hold their names: keep the most launched for the summary.
         if self.stats.kernels.len() > EXITED_TOP_KERNELS {
             let mut v: Vec<(usize, (Arc<KernelName>, u64))> = self.stats.kernels.drain().collect();
-            v.sort_by(|a, b| b.1.1.cmp(&a.1.1));
+            v.sort_by_key(|k| std::cmp::Reverse(k.1.1));
             v.truncate(EXITED_TOP_KERNELS);
             self.stats.kernels = v.into_iter().collect();
         }
@@ -427,6 +457,8 @@ pub struct Correlator {
     /// Abandoned calls of the forgotten processes (the total stays exact).
     forgotten_abandoned: u64,
     pub budget: Budget,
+    /// (limit MB, ring bytes) until the budget is derived at the first event.
+    pending_limit: Option<(u64, u64)>,
     used: Used,
     /// What the budget made the agent not remember.
     pub evicted: Evicted,
@@ -447,15 +479,20 @@ impl Correlator {
         }
     }
 
-    /// Sets the global table budgets from `--memory-limit-mb`.
-    pub fn with_memory_limit_mb(mut self, mb: u64) -> Self {
-        self.budget = Budget::from_limit_mb(mb);
+    /// Sets the global table budgets from `--memory-limit-mb` and the ring buffer's size; they
+    /// are derived at the first event, when what the running agent holds is known.
+    pub fn with_memory_limit_mb(mut self, mb: u64, ring_bytes: u32) -> Self {
+        self.budget = Budget::derive(mb, 0, 0);
+        self.pending_limit = Some((mb, u64::from(ring_bytes)));
         self
     }
 
     /// Folds one event in and fills in what only the agent knows.
     pub fn observe(&mut self, ev: &mut Event) {
         self.events += 1;
+        if let Some((mb, ring)) = self.pending_limit.take() {
+            self.budget = Budget::derive(mb, resident_bytes(), ring);
+        }
         let threshold = self.threshold_ns;
         let (budget, used, evicted) = (&self.budget, &mut self.used, &mut self.evicted);
         let p = self

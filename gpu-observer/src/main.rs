@@ -150,7 +150,7 @@ async fn observe(cli: Cli) -> Result<i32> {
         Some(sample::Sampler::spawn(cfg, hub.clone())?)
     };
     let shared = Arc::new(Shared::new(
-        Correlator::new(cli.threshold_us * 1000).with_memory_limit_mb(cli.memory_limit_mb),
+        Correlator::new(cli.threshold_us * 1000).with_memory_limit_mb(cli.memory_limit_mb, cli.ring_buffer_size),
         hub.clone(),
     ));
     let otlp = if export::otlp::wanted(cli.otlp_endpoint.as_deref()) {

@@ -347,9 +347,13 @@ impl<W: Write> JsonlWriter<W> {
         counts(&mut self.out, kinds)?;
         write!(
             self.out,
-            ",\"abandoned\":{},\"memory_limit_mb\":{},\"evicted\":{{\"kernel_names\":{},\"allocations\":{},\"processes\":{}}},\"decode_errors\":{},\"processes\":{},\"forgotten_processes\":{},\"unattributed_drops\":{unattributed},\"threshold_us\":{},\"trace_all\":{},\"sampled_out\":{{\"memcpy\":{},\"memset\":{},\"sync\":{},\"gpu_kernel\":{},\"gpu_memcpy\":{},\"gpu_memset\":{}}},\"demangler\":\"{}\",\"wall_ns\":{wall_ns}",
+            ",\"abandoned\":{},\"memory_limit_mb\":{},\"memory_budget\":{{\"tables_bytes\":{},\"kernel_name_bytes\":{},\"allocations\":{},\"exited_processes\":{}}},\"evicted\":{{\"kernel_names\":{},\"allocations\":{},\"processes\":{}}},\"decode_errors\":{},\"processes\":{},\"forgotten_processes\":{},\"unattributed_drops\":{unattributed},\"threshold_us\":{},\"trace_all\":{},\"sampled_out\":{{\"memcpy\":{},\"memset\":{},\"sync\":{},\"gpu_kernel\":{},\"gpu_memcpy\":{},\"gpu_memset\":{}}},\"demangler\":\"{}\",\"wall_ns\":{wall_ns}",
             corr.abandoned_calls(),
             corr.budget.limit_mb,
+            corr.budget.tables_bytes,
+            corr.budget.name_bytes,
+            corr.budget.allocs,
+            corr.budget.exited,
             corr.evicted.kernel_names,
             corr.evicted.allocations,
             corr.evicted.processes,
