@@ -3,7 +3,15 @@
 //! Recorded: every nvidia RM ioctl (type `'F'`) and any ioctl issued inside a probed CUDA call
 //! (nvidia-uvm numbers have no type byte), each tagged with that call.
 
-use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
+use aya_ebpf::{
+    bindings::pt_regs,
+    helpers::{
+        bpf_probe_read_kernel,
+        generated::{bpf_get_current_task_btf, bpf_task_pt_regs},
+    },
+    macros::tracepoint,
+    programs::TracePointContext,
+};
 use gpu_observer_common::{
     api::Flags,
     event::{EventKind, IoctlEvent, IoctlStart, NV_IOCTL_MAGIC, ioctl_type},
@@ -36,7 +44,18 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
     };
     let parent_api = match INFLIGHT.get_ptr(ids.tid) {
         // SAFETY: per-thread entry read by its own thread.
-        Some(p) => (unsafe { (*p).cookie }) & Flags::ID_MASK,
+        Some(p) => unsafe {
+            // Made below the call's return slot: inside it. At or above it: the call was
+            // abandoned (longjmp) and this ioctl is the caller's own (calls.rs).
+            let inside = user_sp().is_none_or(|sp| sp < (*p).sp);
+            // While a same-frame candidate is undecided, it is the call running now.
+            let cookie = if (*p).has_tail != 0 {
+                (*p).tail.cookie
+            } else {
+                (*p).cookie
+            };
+            if inside { cookie & Flags::ID_MASK } else { 0 }
+        },
         None => 0,
     };
     if parent_api == 0 && ioctl_type(cmd) != NV_IOCTL_MAGIC {
@@ -52,6 +71,17 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
     };
     let _ = IOCTLS.insert(ids.tid, start, 0);
     0
+}
+
+/// The user stack pointer of the current thread at its syscall.
+#[inline(always)]
+fn user_sp() -> Option<u64> {
+    // SAFETY: helpers without preconditions on the current task; the saved user registers are
+    // read through the kernel-read helper, which fails cleanly.
+    unsafe {
+        let regs = bpf_task_pt_regs(bpf_get_current_task_btf()) as *const pt_regs;
+        bpf_probe_read_kernel(&(*regs).rsp).ok()
+    }
 }
 
 #[tracepoint]

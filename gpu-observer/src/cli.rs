@@ -126,6 +126,12 @@ pub struct Cli {
     /// How often to look for new libcuda files and refresh the terminal view, in milliseconds.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(50..=60_000), global = true)]
     pub interval_ms: u64,
+
+    /// Ceiling for the agent's memory (MB): kernel names, live allocations and exited processes
+    /// are remembered within budgets derived from it, over all processes together; what does not
+    /// fit is counted in the summary's `evicted`.
+    #[arg(long, env = "GPU_OBSERVER_MEMORY_LIMIT_MB", default_value_t = crate::correlate::DEFAULT_MEMORY_LIMIT_MB, value_parser = clap::value_parser!(u64).range(32..=1_048_576), global = true)]
+    pub memory_limit_mb: u64,
 }
 
 #[derive(Subcommand, Debug)]

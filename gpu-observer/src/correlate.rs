@@ -3,7 +3,10 @@
 //! the size of a free, the device behind an ioctl's fd.
 //!
 //! Bounded: names, live allocations, streams and ioctl commands are capped per process, and
-//! exited processes keep only their counters (and are forgotten past a cap, counted).
+//! exited processes keep only their counters (and are forgotten past a cap, counted). Kernel
+//! names, live allocations and exited processes are also capped over all processes together by
+//! a [`Budget`] derived from `--memory-limit-mb`, so no number of processes can add up past it;
+//! what does not fit is not remembered and is counted in [`Evicted`].
 
 use std::{
     collections::{BTreeMap, HashMap, VecDeque},
@@ -26,8 +29,104 @@ const MAX_NAMES: usize = 1 << 20;
 const MAX_SYNC_HANDLES: usize = 256;
 /// Distinct ioctl commands counted per process.
 const MAX_IOCTL_CMDS: usize = 256;
-/// Exited processes whose counters are kept for the final summary.
+/// Exited processes whose counters are kept for the final summary (at most; see [`Budget`]).
 const MAX_EXITED: usize = 4096;
+/// Bytes a remembered kernel name costs beyond its two strings (map slot, `Arc`, boxes).
+const NAME_OVERHEAD: u64 = 96;
+/// Bytes a remembered live allocation costs (B-tree slot with its key and value).
+const ALLOC_COST: u64 = 64;
+/// Bytes an exited process's counters may cost at worst (capped maps of ioctl commands, sync
+/// handles and API counts, see the `MAX_*` above).
+const EXITED_COST: u64 = 48 * 1024;
+/// Kernels an exited process keeps for its final summary (the most launched).
+const EXITED_TOP_KERNELS: usize = 16;
+
+/// How much of the agent's memory each growable table may use, over all processes together.
+///
+/// Derived from `--memory-limit-mb` once the agent runs (at the first event): what the agent
+/// already holds then (its resident set: code, the loaded eBPF objects, buffers), twice the
+/// ring buffer (its data pages are mapped twice) and [`SLACK_BYTES`] are taken off; of the rest,
+/// half is for kernel names, a quarter for live allocations, a quarter for exited processes'
+/// counters. Never less than [`MIN_TABLES_BYTES`] in all: a limit below what the agent needs to
+/// run cannot be kept, and the summary's `memory_budget` shows what was used.
+#[derive(Clone, Copy, Debug)]
+pub struct Budget {
+    pub limit_mb: u64,
+    /// Bytes for the tables, over all processes (0 until derived).
+    pub tables_bytes: u64,
+    pub name_bytes: u64,
+    pub allocs: u64,
+    pub exited: usize,
+}
+
+/// Allocator slack and what the final summary's formatting needs.
+const SLACK_BYTES: u64 = 8 << 20;
+/// The least the tables get whatever the limit.
+const MIN_TABLES_BYTES: u64 = 4 << 20;
+
+impl Budget {
+    /// Budgets for `mb` when the agent already holds `resident` bytes and maps a ring of
+    /// `ring_bytes`.
+    pub fn derive(mb: u64, resident: u64, ring_bytes: u64) -> Self {
+        let limit = mb.saturating_mul(1 << 20);
+        let tables = limit
+            .saturating_sub(resident)
+            .saturating_sub(ring_bytes.saturating_mul(2))
+            .saturating_sub(SLACK_BYTES)
+            .max(MIN_TABLES_BYTES);
+        Self {
+            limit_mb: mb,
+            tables_bytes: tables,
+            name_bytes: tables / 2,
+            allocs: tables / 4 / ALLOC_COST,
+            exited: usize::try_from(tables / 4 / EXITED_COST)
+                .unwrap_or(MAX_EXITED)
+                .clamp(16, MAX_EXITED),
+        }
+    }
+}
+
+impl Default for Budget {
+    fn default() -> Self {
+        Self::derive(DEFAULT_MEMORY_LIMIT_MB, 0, 0)
+    }
+}
+
+/// The agent's resident set now, in bytes (0 when /proc cannot say).
+fn resident_bytes() -> u64 {
+    let pages = std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()))
+        .unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    pages.saturating_mul(u64::try_from(page).unwrap_or(4096))
+}
+
+/// The agent's default memory ceiling (`--memory-limit-mb`).
+pub const DEFAULT_MEMORY_LIMIT_MB: u64 = 256;
+
+/// What the [`Budget`] made the agent not remember, by kind (the summary's `evicted`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Evicted {
+    /// Kernel names not remembered (their launches say `kernel: null`, counted unresolved).
+    pub kernel_names: u64,
+    /// Allocations not tracked (their frees count as `unknown_frees`, their bytes not live).
+    pub allocations: u64,
+    /// Exited processes forgotten, oldest first (also `forgotten_processes`).
+    pub processes: u64,
+}
+
+/// What the tables hold now, against the [`Budget`].
+#[derive(Clone, Copy, Debug, Default)]
+struct Used {
+    name_bytes: u64,
+    allocs: u64,
+}
+
+fn name_cost(n: &KernelName) -> u64 {
+    NAME_OVERHEAD + n.mangled.len() as u64 + n.demangled.len() as u64
+}
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Amount {
@@ -133,6 +232,8 @@ pub struct Stats {
     pub ioctl_by_cmd: HashMap<u32, (Option<&'static str>, Amount)>,
     /// Calls that returned an error.
     pub failed_calls: u64,
+    /// Calls that never returned (longjmp or an exception out of the driver), reported as such.
+    pub abandoned_calls: u64,
     pub call_apis: BTreeMap<&'static str, u64>,
     /// Frees of pointers the agent never saw allocated (allocated before it attached).
     pub unknown_frees: u64,
@@ -195,6 +296,8 @@ pub struct Process {
     live: BTreeMap<u64, Alloc>,
     names: HashMap<u64, Arc<KernelName>>,
     fds: HashMap<u32, Option<Arc<str>>>,
+    /// What an exited process never freed, summed at its exit (its `live` map is released).
+    exit_leaks: Vec<Leak>,
     /// Memory counters changed since the last sample.
     memory_dirty: bool,
     /// CUPTI join state, once the process's injection library has reported.
@@ -213,6 +316,7 @@ impl Process {
             live: BTreeMap::new(),
             names: HashMap::new(),
             fds: HashMap::new(),
+            exit_leaks: Vec::new(),
             memory_dirty: false,
             gpu: None,
         }
@@ -238,6 +342,9 @@ impl Process {
     }
 
     pub fn leaks(&self) -> Vec<Leak> {
+        if self.exited {
+            return self.exit_leaks.clone();
+        }
         let mut by: BTreeMap<(&'static str, u8), Leak> = BTreeMap::new();
         for a in self.live.values() {
             let l = by.entry((a.api, a.mem as u8)).or_insert(Leak {
@@ -252,9 +359,38 @@ impl Process {
         by.into_values().collect()
     }
 
-    fn name(&mut self, handle: u64, name: Arc<KernelName>) {
-        if self.names.len() < MAX_NAMES || self.names.contains_key(&handle) {
-            self.names.insert(handle, name);
+    /// Remembers a handle's name if the per-process cap and the global budget allow.
+    fn name(&mut self, handle: u64, name: Arc<KernelName>, budget: &Budget, used: &mut Used, evicted: &mut Evicted) {
+        let cost = name_cost(&name);
+        let old = self.names.get(&handle).map_or(0, |n| name_cost(n));
+        let fits = (self.names.len() < MAX_NAMES || old != 0) && used.name_bytes - old + cost <= budget.name_bytes;
+        if !fits {
+            evicted.kernel_names += 1;
+            return;
+        }
+        used.name_bytes = used.name_bytes - old + cost;
+        self.names.insert(handle, name);
+    }
+
+    /// At exit: sums what was never freed and releases the per-handle tables.
+    fn release(&mut self, used: &mut Used) {
+        self.exit_leaks = {
+            let exited = std::mem::replace(&mut self.exited, false);
+            let l = self.leaks();
+            self.exited = exited;
+            l
+        };
+        used.name_bytes -= self.names.values().map(|n| name_cost(n)).sum::<u64>();
+        used.allocs -= self.live.len() as u64;
+        self.names = HashMap::new();
+        self.live = BTreeMap::new();
+        self.fds = HashMap::new();
+        // Kernel launch counts hold their names: keep the most launched for the summary.
+        if self.stats.kernels.len() > EXITED_TOP_KERNELS {
+            let mut v: Vec<(usize, (Arc<KernelName>, u64))> = self.stats.kernels.drain().collect();
+            v.sort_by_key(|k| std::cmp::Reverse(k.1.1));
+            v.truncate(EXITED_TOP_KERNELS);
+            self.stats.kernels = v.into_iter().collect();
         }
     }
 
@@ -318,6 +454,14 @@ pub struct Correlator {
     pub decode_errors: u64,
     /// Exited processes forgotten because of [`MAX_EXITED`].
     pub forgotten: u64,
+    /// Abandoned calls of the forgotten processes (the total stays exact).
+    forgotten_abandoned: u64,
+    pub budget: Budget,
+    /// (limit MB, ring bytes) until the budget is derived at the first event.
+    pending_limit: Option<(u64, u64)>,
+    used: Used,
+    /// What the budget made the agent not remember.
+    pub evicted: Evicted,
     /// Copies, memsets and syncs longer than this are slow (seed 003: 100 µs).
     pub threshold_ns: u64,
     exited_order: VecDeque<u32>,
@@ -335,10 +479,22 @@ impl Correlator {
         }
     }
 
+    /// Sets the global table budgets from `--memory-limit-mb` and the ring buffer's size; they
+    /// are derived at the first event, when what the running agent holds is known.
+    pub fn with_memory_limit_mb(mut self, mb: u64, ring_bytes: u32) -> Self {
+        self.budget = Budget::derive(mb, 0, 0);
+        self.pending_limit = Some((mb, u64::from(ring_bytes)));
+        self
+    }
+
     /// Folds one event in and fills in what only the agent knows.
     pub fn observe(&mut self, ev: &mut Event) {
         self.events += 1;
+        if let Some((mb, ring)) = self.pending_limit.take() {
+            self.budget = Budget::derive(mb, resident_bytes(), ring);
+        }
         let threshold = self.threshold_ns;
+        let (budget, used, evicted) = (&self.budget, &mut self.used, &mut self.evicted);
         let p = self
             .procs
             .entry(ev.pid)
@@ -396,13 +552,15 @@ impl Correlator {
                 let spec = api.expect("calls carry their api");
                 p.last_ts = p.last_ts.max(ev.ts_ns + c.duration_ns);
                 *p.stats.call_apis.entry(spec.name).or_default() += 1;
-                if c.result != 0 {
+                if c.abandoned {
+                    p.stats.abandoned_calls += 1;
+                } else if c.result != 0 {
                     p.stats.failed_calls += 1;
                 }
                 if matches!(spec.family, Family::Memcpy | Family::Memset | Family::Sync) && c.duration_ns > threshold {
                     p.stats.slow_calls += 1;
                 }
-                Self::call(p, spec.family, spec.name, c);
+                Self::call(p, spec.family, spec.name, c, budget, used, evicted);
                 if matches!(spec.family, Family::Memcpy | Family::Memset)
                     && let Some(g) = p.gpu.as_deref_mut()
                 {
@@ -449,23 +607,35 @@ impl Correlator {
                 if let Some(g) = p.gpu.as_deref_mut() {
                     g.expire(ev.pid, comm, u64::MAX, &mut self.gpu_out);
                 }
-                p.exited = true;
-                p.names = HashMap::new();
-                p.fds = HashMap::new();
-                self.exited_order.push_back(ev.pid);
-                if self.exited_order.len() > MAX_EXITED
+                if !p.exited {
+                    p.release(used);
+                    p.exited = true;
+                    self.exited_order.push_back(ev.pid);
+                }
+                while self.exited_order.len() > budget.exited
                     && let Some(old) = self.exited_order.pop_front()
                     && self.procs.get(&old).is_some_and(|p| p.exited)
+                    && let Some(gone) = self.procs.remove(&old)
                 {
-                    self.procs.remove(&old);
+                    self.forgotten_abandoned += gone.stats.abandoned_calls;
                     self.forgotten += 1;
+                    evicted.processes += 1;
                 }
             }
         }
     }
 
-    fn call(p: &mut Process, family: Family, api: &'static str, c: &mut Call) {
-        let ok = c.result == 0;
+    fn call(
+        p: &mut Process,
+        family: Family,
+        api: &'static str,
+        c: &mut Call,
+        budget: &Budget,
+        used: &mut Used,
+        evicted: &mut Evicted,
+    ) {
+        // An abandoned call's effect is unknown: no allocation tracked, none freed, no name.
+        let ok = c.result == 0 && !c.abandoned;
         match family {
             Family::Memcpy => {
                 let (dst, src) = (c.dst.map(|d| p.side(d)), c.src.map(|s| p.side(s)));
@@ -499,9 +669,15 @@ impl Correlator {
             Family::Alloc => {
                 let bytes = c.bytes.unwrap_or(0);
                 p.stats.allocs.add(bytes, c.duration_ns);
-                if let (true, Some(addr)) = (ok, c.address)
-                    && (p.live.len() < MAX_LIVE_ALLOCS || p.live.contains_key(&addr))
-                {
+                if let (true, Some(addr)) = (ok, c.address) {
+                    let known = p.live.contains_key(&addr);
+                    if !known && (p.live.len() >= MAX_LIVE_ALLOCS || used.allocs >= budget.allocs) {
+                        evicted.allocations += 1;
+                        return;
+                    }
+                    if !known {
+                        used.allocs += 1;
+                    }
                     if let Some(old) = p.live.insert(addr, Alloc { bytes, mem: c.mem, api }) {
                         // Re-registration of the same address: replace, not double count.
                         let live = p.stats.live_mut(old.mem);
@@ -515,7 +691,7 @@ impl Correlator {
             }
             Family::Free => {
                 let freed = match (ok, c.address) {
-                    (true, Some(a)) => p.live.remove(&a),
+                    (true, Some(a)) => p.live.remove(&a).inspect(|_| used.allocs -= 1),
                     (false, Some(a)) => p.live.get(&a).copied(),
                     _ => None,
                 };
@@ -561,7 +737,7 @@ impl Correlator {
                     };
                     if let Some(name) = name {
                         c.kernel = Some(name.clone());
-                        p.name(handle, name);
+                        p.name(handle, name, budget, used, evicted);
                     }
                 }
             }
@@ -600,6 +776,11 @@ impl Correlator {
         }
         out.sort_by_key(|m| m.pid);
         out
+    }
+
+    /// Calls that never returned, over every process seen (forgotten ones included).
+    pub fn abandoned_calls(&self) -> u64 {
+        self.forgotten_abandoned + self.procs.values().map(|p| p.stats.abandoned_calls).sum::<u64>()
     }
 
     /// Processes in pid order.
@@ -643,6 +824,7 @@ mod tests {
             ioctl_ns: 0,
             nested: 0,
             read_errors: 0,
+            abandoned: false,
             handle: None,
             owner: None,
             name: None,

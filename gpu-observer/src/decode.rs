@@ -8,7 +8,8 @@ use gpu_observer_common::{
     api::{self, ApiSpec, Direction, Family, Flags, MemKind, NO_ARG},
     cupti::GpuRecord,
     event::{
-        CallEvent, EventHeader, EventKind, GpuEvent, GpuNameEvent, IoctlEvent, LaunchEvent, NameEvent, read_record,
+        CallEvent, EventHeader, EventKind, GpuEvent, GpuNameEvent, IoctlEvent, LaunchEvent, NameEvent, call_flags,
+        read_record,
     },
 };
 
@@ -95,6 +96,9 @@ pub struct Call {
     pub ioctl_ns: u64,
     pub nested: u32,
     pub read_errors: u32,
+    /// The call never returned (longjmp or an exception out of the driver): `duration_ns` and
+    /// `result` are unknown (0) and nothing it would have returned is known.
+    pub abandoned: bool,
     /// Module/library/kernel/function handle the call produced or named.
     pub handle: Option<u64>,
     /// What `handle` came from: the module, library or kernel.
@@ -216,7 +220,9 @@ fn arg(r: &CallEvent, n: u8) -> Option<u64> {
 
 /// Reads a call's interesting arguments by its API's layout.
 pub fn decode_call(spec: &ApiSpec, r: &CallEvent) -> Call {
-    let ok = r.result == 0;
+    let abandoned = r.flags & call_flags::ABANDONED != 0;
+    // An abandoned call returned nothing: no out-pointer values, no result.
+    let ok = r.result == 0 && !abandoned;
     let (bytes, address) = match spec.family {
         Family::Memcpy => (arg(r, spec.bytes_arg), None),
         Family::Memset => {
@@ -267,6 +273,7 @@ pub fn decode_call(spec: &ApiSpec, r: &CallEvent) -> Call {
         ioctl_ns: r.ioctl_ns,
         nested: r.nested,
         read_errors: r.read_errors,
+        abandoned,
         handle,
         owner,
         name: None,
@@ -299,6 +306,8 @@ mod tests {
             result: 0,
             nested: 0,
             read_errors: 0,
+            flags: 0,
+            _pad: 0,
         };
         // SAFETY: viewing a plain #[repr(C)] record as its bytes, as the ring holds it.
         let bytes = unsafe {

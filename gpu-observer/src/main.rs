@@ -156,7 +156,10 @@ async fn observe(cli: Cli) -> Result<i32> {
         };
         Some(sample::Sampler::spawn(cfg, hub.clone())?)
     };
-    let shared = Arc::new(Shared::new(Correlator::new(cli.threshold_us * 1000), hub.clone()));
+    let shared = Arc::new(Shared::new(
+        Correlator::new(cli.threshold_us * 1000).with_memory_limit_mb(cli.memory_limit_mb, cli.ring_buffer_size),
+        hub.clone(),
+    ));
     let otlp = if let Some(grpc) = otlp_grpc {
         // The driver version for the resource, when NVML is up in time.
         for _ in 0..20 {

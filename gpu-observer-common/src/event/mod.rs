@@ -109,6 +109,17 @@ pub struct CallEvent {
     /// Nested probed calls this call made (counted, not reported).
     pub nested: u32,
     pub read_errors: u32,
+    /// [`call_flags`] bits.
+    pub flags: u32,
+    pub _pad: u32,
+}
+
+/// Bits of [`CallEvent::flags`].
+pub mod call_flags {
+    /// The call never returned (longjmp or an exception out of the driver): a later probed call
+    /// on the thread entered at or above its stack frame. `duration_ns`, `result` and `out` are
+    /// unknown (0).
+    pub const ABANDONED: u32 = 1;
 }
 
 /// Longest kernel name copied (mangled C++ names of template kernels run to hundreds of bytes).
@@ -156,18 +167,44 @@ pub struct IoctlEvent {
 }
 
 /// The eBPF-side state of a thread inside a probed call (map value, not a ring record).
+///
+/// Stale state (a call that never returned) is told from nesting by the stack pointer, as the
+/// kernel tells dead uretprobe instances (`arch_uretprobe_is_alive`): a call entered below `sp`
+/// runs inside this one; one entered above it, or at it from the same return address, means
+/// this one was abandoned. See `gpu-observer-ebpf/src/calls.rs`.
 #[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct Inflight {
     pub ts_ns: u64,
     pub args: [u64; 6],
     pub ioctl_ns: u64,
+    /// User stack pointer at entry: the address of the return slot.
+    pub sp: u64,
+    /// The return address read at `[sp]` at entry.
+    pub ret_addr: u64,
     /// Attach cookie: API id and flags.
     pub cookie: u32,
     pub ioctl_count: u32,
-    /// Probed calls entered while this one runs (their returns are matched by count).
-    pub depth: u32,
+    /// Probed calls entered while this one runs (not reported on their own).
     pub nested: u32,
+    /// 1 when `tail` holds a call entered at the same `sp` from another return address.
+    pub has_tail: u32,
+    pub tail: TailCall,
+}
+
+/// A call entered at the same stack pointer as the one in flight but from another return
+/// address: either a tail call (the slot then holds the uretprobe trampoline) or a call from
+/// another site of the same frame after the first was abandoned. Its return tells which.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct TailCall {
+    pub ts_ns: u64,
+    pub args: [u64; 6],
+    pub ret_addr: u64,
+    /// The outer call's ioctl counters when this one entered (what came after is this one's).
+    pub ioctl_ns_before: u64,
+    pub ioctl_count_before: u32,
+    pub cookie: u32,
 }
 
 /// The eBPF-side state of a thread inside an ioctl.

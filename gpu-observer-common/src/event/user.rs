@@ -18,6 +18,7 @@ pod!(
     GpuEvent,
     GpuNameEvent,
     Inflight,
+    TailCall,
     IoctlStart
 );
 

@@ -117,7 +117,8 @@ impl<W: Write> JsonlWriter<W> {
             Some(Family::Sync) => 2,
             _ => return false,
         };
-        if crate::export::kept(c.duration_ns, self.threshold_ns, self.trace_all) {
+        // An abandoned call has no duration to sample by, and is rare: always written.
+        if c.abandoned || crate::export::kept(c.duration_ns, self.threshold_ns, self.trace_all) {
             return false;
         }
         self.sampled_out[slot] += 1;
@@ -213,17 +214,18 @@ impl<W: Write> JsonlWriter<W> {
 
     fn call_fields(&mut self, family: Option<Family>, c: &Call) -> io::Result<()> {
         let slow = c.duration_ns > self.threshold_ns;
+        // An abandoned call never returned: no duration, bandwidth or result.
+        let dur = OptNum((!c.abandoned).then_some(c.duration_ns));
         let o = &mut self.out;
         match family {
             Some(Family::Memcpy) => {
                 let bytes = c.bytes.unwrap_or(0);
                 write!(
                     o,
-                    ",\"direction\":\"{}\",\"direction_inferred\":{},\"bytes\":{bytes},\"duration_ns\":{},\"bandwidth_mbps\":{:.3},\"is_slow\":{slow},\"async\":{},\"stream\":{},\"dst\":{},\"src\":{}",
+                    ",\"direction\":\"{}\",\"direction_inferred\":{},\"bytes\":{bytes},\"duration_ns\":{dur},\"bandwidth_mbps\":{},\"is_slow\":{slow},\"async\":{},\"stream\":{},\"dst\":{},\"src\":{}",
                     direction_name(c.direction),
                     c.direction_inferred,
-                    c.duration_ns,
-                    bandwidth_mbps(bytes, c.duration_ns),
+                    OptNum((!c.abandoned).then(|| format!("{:.3}", bandwidth_mbps(bytes, c.duration_ns)))),
                     c.stream.is_some(),
                     OptHex(c.stream),
                     OptHex(c.dst),
@@ -234,9 +236,8 @@ impl<W: Write> JsonlWriter<W> {
             Some(Family::Memset) => {
                 write!(
                     o,
-                    ",\"bytes\":{},\"duration_ns\":{},\"is_slow\":{slow},\"stream\":{},\"address\":{}",
+                    ",\"bytes\":{},\"duration_ns\":{dur},\"is_slow\":{slow},\"stream\":{},\"address\":{}",
                     OptNum(c.bytes),
-                    c.duration_ns,
                     OptHex(c.stream),
                     OptHex(c.address)
                 )?;
@@ -244,27 +245,24 @@ impl<W: Write> JsonlWriter<W> {
             Some(Family::Alloc | Family::Free) => {
                 write!(
                     o,
-                    ",\"bytes\":{},\"address\":{},\"memory\":\"{}\",\"duration_ns\":{},\"stream\":{}",
+                    ",\"bytes\":{},\"address\":{},\"memory\":\"{}\",\"duration_ns\":{dur},\"stream\":{}",
                     OptNum(c.bytes),
                     OptHex(c.address),
                     mem_name(c.mem),
-                    c.duration_ns,
                     OptHex(c.stream)
                 )?;
             }
             Some(Family::Sync) => {
                 write!(
                     o,
-                    ",\"duration_ns\":{},\"is_slow\":{slow},\"handle\":{}",
-                    c.duration_ns,
+                    ",\"duration_ns\":{dur},\"is_slow\":{slow},\"handle\":{}",
                     OptHex(c.stream)
                 )?;
             }
             Some(Family::Module | Family::Symbol) => {
                 write!(
                     o,
-                    ",\"duration_ns\":{},\"handle\":{},\"owner\":{}",
-                    c.duration_ns,
+                    ",\"duration_ns\":{dur},\"handle\":{},\"owner\":{}",
                     OptHex(c.handle),
                     OptHex(c.owner)
                 )?;
@@ -273,13 +271,18 @@ impl<W: Write> JsonlWriter<W> {
                     opt_str(o, "kernel", c.kernel.as_ref().map(|k| &*k.demangled))?;
                 }
             }
-            _ => write!(o, ",\"duration_ns\":{},\"handle\":{}", c.duration_ns, OptHex(c.stream))?,
+            _ => write!(o, ",\"duration_ns\":{dur},\"handle\":{}", OptHex(c.stream))?,
         }
         write!(
             o,
             ",\"result\":{},\"ioctl_count\":{},\"ioctl_ns\":{}",
-            c.result, c.ioctl_count, c.ioctl_ns
+            OptNum((!c.abandoned).then_some(c.result)),
+            c.ioctl_count,
+            c.ioctl_ns
         )?;
+        if c.abandoned {
+            o.write_all(b",\"abandoned\":true")?;
+        }
         if c.nested != 0 {
             write!(o, ",\"nested_calls\":{}", c.nested)?;
         }
@@ -344,7 +347,16 @@ impl<W: Write> JsonlWriter<W> {
         counts(&mut self.out, kinds)?;
         write!(
             self.out,
-            ",\"decode_errors\":{},\"processes\":{},\"forgotten_processes\":{},\"unattributed_drops\":{unattributed},\"threshold_us\":{},\"trace_all\":{},\"sampled_out\":{{\"memcpy\":{},\"memset\":{},\"sync\":{},\"gpu_kernel\":{},\"gpu_memcpy\":{},\"gpu_memset\":{}}},\"demangler\":\"{}\",\"wall_ns\":{wall_ns}",
+            ",\"abandoned\":{},\"memory_limit_mb\":{},\"memory_budget\":{{\"tables_bytes\":{},\"kernel_name_bytes\":{},\"allocations\":{},\"exited_processes\":{}}},\"evicted\":{{\"kernel_names\":{},\"allocations\":{},\"processes\":{}}},\"decode_errors\":{},\"processes\":{},\"forgotten_processes\":{},\"unattributed_drops\":{unattributed},\"threshold_us\":{},\"trace_all\":{},\"sampled_out\":{{\"memcpy\":{},\"memset\":{},\"sync\":{},\"gpu_kernel\":{},\"gpu_memcpy\":{},\"gpu_memset\":{}}},\"demangler\":\"{}\",\"wall_ns\":{wall_ns}",
+            corr.abandoned_calls(),
+            corr.budget.limit_mb,
+            corr.budget.tables_bytes,
+            corr.budget.name_bytes,
+            corr.budget.allocs,
+            corr.budget.exited,
+            corr.evicted.kernel_names,
+            corr.evicted.allocations,
+            corr.evicted.processes,
             corr.decode_errors,
             corr.procs.len(),
             corr.forgotten,
@@ -480,8 +492,8 @@ impl<W: Write> JsonlWriter<W> {
         }
         write!(
             o,
-            "]}},\"slow_calls\":{},\"failed_calls\":{},\"calls\":",
-            s.slow_calls, s.failed_calls
+            "]}},\"slow_calls\":{},\"failed_calls\":{},\"abandoned\":{},\"calls\":",
+            s.slow_calls, s.failed_calls, s.abandoned_calls
         )?;
         counts(o, s.call_apis.iter())?;
         self.gpu_summary(p.gpu.as_deref())?;
