@@ -57,6 +57,9 @@ impl LiveView {
                 ""
             }
         );
+        if let Some(line) = evicted_line(corr) {
+            let _ = writeln!(out, "{line}");
+        }
         devices_now(&mut out, gpus);
         let _ = writeln!(
             out,
@@ -261,6 +264,19 @@ fn devices_summary(out: &mut String, gpus: &HubState) {
 }
 
 /// Unfreed allocations of every process (SIGUSR1).
+/// What the memory limit made the agent forget, as one line (None when nothing was).
+pub fn evicted_line(corr: &Correlator) -> Option<String> {
+    let e = &corr.evicted;
+    if e.kernel_names + e.allocations + e.processes == 0 {
+        return None;
+    }
+    Some(format!(
+        "within --memory-limit-mb, {} kernel names, {} allocations and {} exited processes were not remembered \
+         (their launches are unnamed, their frees unsized); raise --memory-limit-mb to keep more",
+        e.kernel_names, e.allocations, e.processes
+    ))
+}
+
 pub fn leak_report(corr: &Correlator) -> String {
     let mut out = String::from("gpu-observer: allocations not freed\n");
     for p in corr.sorted() {
@@ -300,6 +316,9 @@ pub fn final_summary(corr: &Correlator, gpus: &HubState, drops: &Drops, wall_ns:
             drops.total
         );
     }
+    if let Some(line) = evicted_line(corr) {
+        let _ = writeln!(out, "  WARNING: {line}");
+    }
     for p in corr.sorted() {
         let s = &p.stats;
         let dropped = drops.by_pid.get(&p.pid).copied().unwrap_or(0);
@@ -314,6 +333,13 @@ pub fn final_summary(corr: &Correlator, gpus: &HubState, drops: &Drops, wall_ns:
         );
         let apis: Vec<String> = s.launch_apis.iter().map(|(a, n)| format!("{a} {n}")).collect();
         let _ = writeln!(out, "  launches      {:>10}   {}", s.launches, apis.join(", "));
+        if s.abandoned_calls > 0 {
+            let _ = writeln!(
+                out,
+                "  abandoned     {:>10}   calls that never returned (longjmp or an exception out of the driver)",
+                s.abandoned_calls
+            );
+        }
         for (name, d) in [
             ("copies H→D", Direction::CpuToGpu),
             ("copies D→H", Direction::GpuToCpu),
