@@ -22,10 +22,12 @@ pub fn check() -> Result<Vec<String>> {
         );
     }
     if !Path::new("/sys/kernel/btf/vmlinux").exists() {
-        warnings.push(
-            "this kernel exposes no BTF (/sys/kernel/btf/vmlinux); gpu-observer's programs do not \
-             need it, but a kernel built with CONFIG_DEBUG_INFO_BTF=y is the supported setup"
-                .to_string(),
+        // The ioctl program reads the thread's user stack pointer through the BTF task helpers
+        // (to tell an ioctl inside a CUDA call from one after a call that never returned).
+        bail!(
+            "this kernel exposes no BTF (/sys/kernel/btf/vmlinux is missing): gpu-observer's ioctl \
+             program needs it; use a kernel built with CONFIG_DEBUG_INFO_BTF=y (the default of \
+             current distributions)"
         );
     }
     if !Path::new("/sys/bus/event_source/devices/uprobe").exists() {
