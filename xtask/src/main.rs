@@ -69,6 +69,10 @@ enum Task {
         /// Use a debug build of the observer instead of a release one.
         #[arg(long)]
         debug: bool,
+        /// Every Nth churn process loads a private copy of the fake libcuda (a new file the
+        /// observer must attach and release); 0: every one loads the shared copy.
+        #[arg(long, default_value_t = 5)]
+        private_every: u64,
         /// Run this observer binary instead of the one built here (e.g. an older build).
         #[arg(long)]
         observer: Option<PathBuf>,
@@ -92,12 +96,14 @@ fn main() -> ExitCode {
             minutes,
             minute_secs,
             debug,
+            private_every,
             observer,
             out,
         } => soak::soak(soak::Options {
             minutes,
             minute_secs,
             debug,
+            private_every,
             observer,
             out,
         }),

@@ -6,7 +6,7 @@
 //! tests/fixtures/README.md for N minutes:
 //! - churn: a short-lived `cuda_workload` every [`CHURN_PERIOD`] (`load`, `init`, one `run`,
 //!   `exit`). Most load the shared copy of the fake libcuda, attached up front with `--libcuda`
-//!   as the driver's own files are; every [`PRIVATE_EVERY`]-th loads a private copy (a new
+//!   as the driver's own files are; every `--private-every`-th (5) loads a private copy (a new
 //!   inode), which the agent has to find by its rescan, attach, and may release once the
 //!   process is gone;
 //! - steady load: one long-lived workload doing a `run` every [`STEADY_PERIOD`];
@@ -42,6 +42,7 @@ pub struct Options {
     pub minutes: u64,
     pub minute_secs: u64,
     pub debug: bool,
+    pub private_every: u64,
     pub observer: Option<PathBuf>,
     pub out: Option<PathBuf>,
 }
@@ -52,8 +53,6 @@ pub struct Options {
 const CHURN_PERIOD: Duration = Duration::from_millis(500);
 /// `run T N` of a churn process: 150 calls (75 a round, tests/fixtures/README.md).
 const CHURN_RUN: (u64, u64) = (1, 2);
-/// Every this many churn processes, one loads a private copy of the fake libcuda.
-const PRIVATE_EVERY: u64 = 5;
 /// The steady workload does a `run` this often: 300 calls.
 const STEADY_PERIOD: Duration = Duration::from_millis(250);
 const STEADY_RUN: (u64, u64) = (2, 2);
@@ -224,6 +223,8 @@ struct Ctx {
     out: PathBuf,
     shared_lib: PathBuf,
     cupti_lib: PathBuf,
+    /// Every this many churn processes, one loads a private copy of the fake libcuda (0: none).
+    private_every: u64,
     book: Mutex<Book>,
     log: Mutex<Log>,
     gate: Gate,
@@ -369,7 +370,7 @@ fn sleep_rest(period: Duration, since: Instant) {
 
 /// One churn process: `load`, (wait for the attach of a private copy), `init`, `run`, `exit`.
 fn churn_one(ctx: &Ctx, seq: u64) -> Result<()> {
-    let private = seq.is_multiple_of(PRIVATE_EVERY);
+    let private = ctx.private_every != 0 && seq.is_multiple_of(ctx.private_every);
     let (lib, dir) = if private {
         let dir = ctx.out.join("private").join(seq.to_string());
         fs::create_dir_all(&dir)?;
@@ -751,6 +752,7 @@ pub fn soak(o: Options) -> Result<()> {
         out: out.clone(),
         shared_lib,
         cupti_lib,
+        private_every: o.private_every,
         book: Mutex::default(),
         log: Mutex::default(),
         gate: Gate::default(),
@@ -1030,6 +1032,7 @@ pub fn soak(o: Options) -> Result<()> {
         "observer": bin.display().to_string(),
         "minutes": o.minutes,
         "minute_secs": o.minute_secs,
+        "private_every": o.private_every,
         "rows": rows.iter().map(Row::json).collect::<Vec<_>>(),
         "checks": checks.iter().map(|c| json!({"name": c.name, "pass": c.pass, "detail": c.detail})).collect::<Vec<_>>(),
         "final": {"calls": final_t.calls, "captured": final_t.captured, "call_drops": call_drops,
