@@ -11,6 +11,8 @@ use std::{
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
+mod soak;
+
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
 #[derive(Parser)]
@@ -54,6 +56,30 @@ enum Task {
     },
     /// Release binary + GPU scripts in .gpu-bundle/ for a GPU machine (see gpu/README.md).
     Bundle,
+    /// Long-run stability (issue 10): the fake workload mix (churn, steady load, CUPTI) under one
+    /// all-process observer; every minute its RSS, fds, BPF links and the event accounting;
+    /// PASS/FAIL checks at the end (docs/BENCHMARKS.md, "Soak"). Run it as root.
+    Soak {
+        /// How many minutes to run.
+        #[arg(long)]
+        minutes: u64,
+        /// Seconds in a "minute" (for short trials of the soak itself).
+        #[arg(long, default_value_t = 60)]
+        minute_secs: u64,
+        /// Use a debug build of the observer instead of a release one.
+        #[arg(long)]
+        debug: bool,
+        /// Every Nth churn process loads a private copy of the fake libcuda (a new file the
+        /// observer must attach and release); 0: every one loads the shared copy.
+        #[arg(long, default_value_t = 5)]
+        private_every: u64,
+        /// Run this observer binary instead of the one built here (e.g. an older build).
+        #[arg(long)]
+        observer: Option<PathBuf>,
+        /// Where the CSV, the report and the agent's stderr go (default target/soak/<time>).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -66,6 +92,21 @@ fn main() -> ExitCode {
         Task::Lint => lint(),
         Task::Bench { calls } => bench(calls),
         Task::Bundle => bundle(),
+        Task::Soak {
+            minutes,
+            minute_secs,
+            debug,
+            private_every,
+            observer,
+            out,
+        } => soak::soak(soak::Options {
+            minutes,
+            minute_secs,
+            debug,
+            private_every,
+            observer,
+            out,
+        }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
