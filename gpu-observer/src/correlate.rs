@@ -30,7 +30,11 @@ const MAX_SYNC_HANDLES: usize = 256;
 /// Distinct ioctl commands counted per process.
 const MAX_IOCTL_CMDS: usize = 256;
 /// Exited processes whose counters are kept for the final summary (at most; see [`Budget`]).
-const MAX_EXITED: usize = 4096;
+/// Few: an agent that runs for days on a node where jobs come and go would otherwise keep
+/// growing for as long as it takes to fill a large table (~35 KB each, measured in the soak,
+/// docs/BENCHMARKS.md), and a summary of thousands of exited processes is read by nobody; the
+/// total's event and abandoned counts stay exact, and `forgotten_processes` says how many left.
+const MAX_EXITED: usize = 256;
 /// Bytes a remembered kernel name costs beyond its two strings (map slot, `Arc`, boxes).
 const NAME_OVERHEAD: u64 = 96;
 /// Bytes a remembered live allocation costs (B-tree slot with its key and value).
