@@ -305,9 +305,10 @@ impl Attacher {
             .filter(|(k, f)| f.owner != Owner::UpFront && !live.contains(k))
             .map(|(k, _)| *k)
             .collect();
-        for key in gone {
-            let info = self.files.remove(&key).expect("listed");
-            if self.probes.release(&key) {
+        if !gone.is_empty() {
+            self.probes.release(&gone);
+            for key in gone {
+                let info = self.files.remove(&key).expect("listed");
                 self.stats.released += 1;
                 say(format_args!(
                     "released {} (no observed process maps it any more)",

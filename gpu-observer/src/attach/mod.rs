@@ -344,22 +344,32 @@ impl Probes {
         Ok(true)
     }
 
-    /// Detaches every probe of a file; false if it was not attached.
-    pub fn release(&mut self, key: &FileKey) -> bool {
-        let Some(file) = self.attached.remove(key) else {
-            return false;
-        };
-        for link in file.links {
-            match link {
-                Link::Multi(fd) => drop(fd),
-                Link::Perf(prog, id) => {
-                    if let Err(e) = uprobe(&mut self.ebpf, prog).and_then(|p| Ok(p.detach(id)?)) {
-                        crate::say(format_args!("warning: detaching {prog}: {e:#}"));
+    /// Detaches every probe of these files; returns the files that were attached.
+    ///
+    /// Closing a uprobe-multi link waits for an RCU grace period in the kernel (~45 ms here,
+    /// five links a libcuda); the links are closed from threads of their own at once, so the
+    /// waits overlap instead of adding up.
+    pub fn release(&mut self, keys: &[FileKey]) -> usize {
+        let mut fds = Vec::new();
+        let mut released = 0;
+        for key in keys {
+            let Some(file) = self.attached.remove(key) else {
+                continue;
+            };
+            released += 1;
+            for link in file.links {
+                match link {
+                    Link::Multi(fd) => fds.push(fd),
+                    Link::Perf(prog, id) => {
+                        if let Err(e) = uprobe(&mut self.ebpf, prog).and_then(|p| Ok(p.detach(id)?)) {
+                            crate::say(format_args!("warning: detaching {prog}: {e:#}"));
+                        }
                     }
                 }
             }
         }
-        true
+        close_all(fds);
+        released
     }
 
     /// Stops every program (they return at their first instruction) without detaching.
@@ -408,6 +418,30 @@ impl Probes {
             drops.by_pid.insert(pid, values.iter().sum());
         }
         Ok(drops)
+    }
+}
+
+impl Drop for Probes {
+    /// Every library's links at once (see [`Probes::release`]), before aya drops the rest.
+    fn drop(&mut self) {
+        let keys: Vec<FileKey> = self.attached.keys().copied().collect();
+        self.release(&keys);
+    }
+}
+
+/// Closes descriptors from parallel threads (at most 64 at a time); one that cannot get a
+/// thread is closed here.
+fn close_all(fds: Vec<std::os::fd::OwnedFd>) {
+    let mut fds = fds.into_iter().peekable();
+    while fds.peek().is_some() {
+        let threads: Vec<_> = fds
+            .by_ref()
+            .take(64)
+            .filter_map(|fd| std::thread::Builder::new().spawn(move || drop(fd)).ok())
+            .collect();
+        for t in threads {
+            let _ = t.join();
+        }
     }
 }
 
