@@ -119,7 +119,7 @@ impl ReadCacheOps for Bounded<'_> {
 
 /// Checks what `ElfFile::parse` will read eagerly (program and section headers, section names,
 /// symbol tables) against the limits, reading only the ELF header and section headers.
-fn precheck<'d>(data: &'d ReadCache<Bounded<'_>>, shown: &str) -> Result<(), Refused> {
+fn precheck(data: &ReadCache<Bounded<'_>>, shown: &str) -> Result<(), Refused> {
     let bad = |what: &str| Refused::new(Reason::BadElf, format!("{shown}: {what}"));
     let header = FileHeader64::<Endianness>::parse(data).map_err(|_| bad("not a 64-bit ELF file"))?;
     let endian = header.endian().map_err(|_| bad("not a 64-bit ELF file"))?;
