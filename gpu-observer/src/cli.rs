@@ -43,8 +43,16 @@ pub struct Cli {
 
     /// Also attach this libcuda file up front (repeatable); the usual driver paths and every
     /// libcuda mapped by a running process are found without it.
-    #[arg(long, value_name = "PATH", global = true)]
+    #[arg(long, value_name = "PATH", value_parser = parse_library_path, global = true)]
     pub libcuda: Vec<PathBuf>,
+
+    /// Library files (libcuda, the CUPTI injection library) the processes of one user may
+    /// have attached at once; more are refused and counted. A file is released when no
+    /// observed process maps it any more. Files attached up front (the driver's usual paths,
+    /// --libcuda) count for nobody.
+    #[arg(long, value_name = "N", default_value_t = crate::attach::attacher::DEFAULT_MAX_PER_USER,
+          value_parser = clap::value_parser!(u32).range(1..=4096), global = true)]
+    pub max_libraries_per_user: u32,
 
     /// Copies, memsets and syncs longer than this many microseconds are marked slow
     /// (`is_slow`, seed 003: 100 µs).
@@ -90,7 +98,7 @@ pub struct Cli {
 
     /// The NVML library (default: libnvidia-ml.so.1 from the loader path and the usual driver
     /// locations).
-    #[arg(long, value_name = "PATH", global = true)]
+    #[arg(long, value_name = "PATH", value_parser = parse_library_path, global = true)]
     pub nvml_lib: Option<PathBuf>,
 
     /// No NVML device sampling.
@@ -191,6 +199,18 @@ fn parse_queue(s: &str) -> Result<usize, String> {
     }
 }
 
+/// A library file named on the command line: made absolute (the loader would take a relative
+/// name without a `/` as a name to search for), and refused at once if it is a FIFO, device
+/// or directory — opening a FIFO blocks. A path that does not exist passes: what loads it says
+/// so, and the agent runs on without it.
+fn parse_library_path(s: &str) -> Result<PathBuf, String> {
+    let p = std::path::absolute(s).map_err(|e| format!("{s}: {e}"))?;
+    match crate::attach::open::not_a_file(p.as_os_str()) {
+        Some(what) => Err(format!("{s} is {what}, not a library file")),
+        None => Ok(p),
+    }
+}
+
 fn parse_ring_size(s: &str) -> Result<u32, String> {
     let v: u64 = s.trim().parse().map_err(|_| format!("`{s}` is not a byte count"))?;
     if v > MAX_RING_BYTES {
@@ -267,11 +287,26 @@ mod tests {
     }
 
     #[test]
+    fn library_paths_are_absolute_and_regular_files() {
+        let cwd = std::env::current_dir().unwrap();
+        assert_eq!(parse_library_path("x/libcuda.so.1"), Ok(cwd.join("x/libcuda.so.1")));
+        assert_eq!(parse_library_path("/a/b.so"), Ok(PathBuf::from("/a/b.so")));
+        assert_eq!(
+            parse_library_path("/dev/null"),
+            Err("/dev/null is a character device, not a library file".to_string())
+        );
+        assert_eq!(
+            parse_library_path("/"),
+            Err("/ is a directory, not a library file".to_string())
+        );
+    }
+
+    #[test]
     fn defaults() {
         let c = Cli::parse_from(["gpu-observer"]);
         assert_eq!(
-            (c.pid, c.format, c.ring_buffer_size),
-            (None, Format::Terminal, 8 * 1024 * 1024)
+            (c.pid, c.format, c.ring_buffer_size, c.max_libraries_per_user),
+            (None, Format::Terminal, 8 * 1024 * 1024, 8)
         );
     }
 }

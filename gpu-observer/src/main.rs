@@ -16,19 +16,18 @@ mod sample;
 mod spawn;
 
 use std::{
-    collections::HashSet,
     io::{BufWriter, IsTerminal, Write},
     path::Path,
     sync::Arc,
     time::{Duration, Instant},
 };
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, anyhow, bail};
 use clap::Parser;
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::{
-    attach::{Attacher, FileKey, Probes, discover},
+    attach::{Attacher, Probes, discover, discover::LibKind},
     cli::{Cli, Command, Format},
     correlate::Correlator,
     export::{jsonl::JsonlWriter, terminal},
@@ -102,27 +101,22 @@ async fn observe(cli: Cli) -> Result<i32> {
     };
     let pid_filter = spawned.as_ref().map(spawn::Spawned::pid).or(cli.pid);
     let probes = Probes::load(cli.ring_buffer_size, pid_filter, cli.perf_uprobes)?;
-    let mut at = Attacher {
-        probes,
-        pid: pid_filter,
-        known_pids: HashSet::new(),
-        failed: HashSet::new(),
-    };
-    if let Some(lib) = spawned.as_ref().and_then(|s| s.injection.clone()) {
-        let key = FileKey::of(&lib)?;
-        at.attach_hooks(&lib, key, None);
+    let mut at = Attacher::new(probes, pid_filter, cli.max_libraries_per_user);
+    if let Some(lib) = spawned.as_ref().and_then(|s| s.injection.clone())
+        && let Err(e) = at.attach_up_front(&lib, LibKind::Hooks)
+    {
+        say(format_args!("warning: cannot attach the CUPTI hooks: {e}"));
     }
-
     for path in &cli.libcuda {
-        let key = FileKey::of(path).with_context(|| format!("--libcuda {}", path.display()))?;
-        at.attach(path, key, None);
+        at.attach_up_front(path, LibKind::Cuda)
+            .map_err(|e| anyhow!("--libcuda {}: {e}", path.display()))?;
     }
     // In --pid mode the process's own mapping is what counts; otherwise (and for a program we
     // start) pre-attach the host's driver so new processes are seen from their first call.
     if cli.pid.is_none() {
         for path in discover::well_known() {
-            if let Ok(key) = FileKey::of(&path) {
-                at.attach(&path, key, None);
+            if let Err(e) = at.attach_up_front(&path, LibKind::Cuda) {
+                say(format_args!("warning: cannot attach {}: {e}", path.display()));
             }
         }
     }
@@ -278,7 +272,7 @@ async fn observe(cli: Cli) -> Result<i32> {
                 {
                     let mut a = shared.agent.lock().expect("agent stats lock");
                     a.drops = drops.by_kind.iter().map(|(k, n)| (export::jsonl::drop_kind_name(*k), *n)).collect();
-                    a.attach_failures = at.failed.len() as u64;
+                    a.attach_failures = at.stats().refused_total();
                 }
                 if drops.total > last_drops {
                     say(format_args!(
@@ -391,6 +385,7 @@ async fn observe(cli: Cli) -> Result<i32> {
     }
     drop(corr);
     drop(gpus);
+    say(at.stats());
     // Detaching: ~0.4 s with uprobe-multi links (see attach/multi.rs).
     drop(at);
     if output_failed {

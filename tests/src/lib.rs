@@ -151,6 +151,11 @@ impl Agent {
         self.stderr.lock().unwrap().clone()
     }
 
+    /// The agent's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Waits for a stderr line containing `needle`; panics with the whole stderr on timeout.
     pub fn wait_stderr(&self, needle: &str, timeout: Duration) -> Duration {
         let start = Instant::now();

@@ -1,14 +1,12 @@
 //! Finding libcuda (and gpu-observer's CUPTI injection library) in running processes through
 //! `/proc/<pid>/maps`.
 //!
-//! Paths are opened through `/proc/<pid>/root` so a library inside a container's mount namespace
-//! is reached from the host; files are told apart by (device, inode), so the copy bind-mounted
-//! into many containers by the NVIDIA toolkit is attached once.
+//! A scan only reads maps: each mapping is named by the device and inode its maps line gives,
+//! and the file is opened (inside the process's root, see [`super::open`]) only the first time
+//! a mapping is seen. Files are told apart by the (device, inode) of the opened descriptor, so
+//! the copy bind-mounted into many containers by the NVIDIA toolkit is attached once.
 
-use std::{
-    fs,
-    path::{Path, PathBuf},
-};
+use std::{fs, path::PathBuf};
 
 /// Which library a mapping is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,29 +21,26 @@ pub enum LibKind {
 pub struct MappedLibrary {
     pub kind: LibKind,
     pub pid: u32,
-    /// The path as the process sees it (from its maps).
+    /// The path as the process sees it (from its maps); opened inside its root
+    /// ([`super::open::open_mapped`]).
     pub path: String,
-    /// The path the agent opens: through the process's root.
-    pub host_path: PathBuf,
-    pub key: FileKey,
+    /// The mapping's identity as its maps line gives it.
+    pub mapping: MappingId,
 }
 
-/// Identity of a file across mount namespaces.
+/// A mapped file as `/proc/<pid>/maps` names it: device (major:minor, as written there) and
+/// inode. Read without touching the file, so a scan never blocks on it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MappingId {
+    pub dev: String,
+    pub ino: u64,
+}
+
+/// Identity of a file across mount namespaces: `fstat` of the descriptor the agent opened.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct FileKey {
     pub dev: u64,
     pub ino: u64,
-}
-
-impl FileKey {
-    pub fn of(path: &Path) -> std::io::Result<Self> {
-        use std::os::unix::fs::MetadataExt;
-        let m = fs::metadata(path)?;
-        Ok(Self {
-            dev: m.dev(),
-            ino: m.ino(),
-        })
-    }
 }
 
 /// Whether a file name is a libcuda (`libcuda.so`, `libcuda.so.1`, `libcuda.so.580.95.05`).
@@ -75,9 +70,14 @@ pub fn scan_pid(pid: u32) -> Vec<MappedLibrary> {
     let Ok(maps) = fs::read(format!("/proc/{pid}/maps")) else {
         return Vec::new(); // gone, or a kernel thread
     };
+    parse_maps(pid, &maps)
+}
+
+/// The libraries in the text of `/proc/<pid>/maps`.
+fn parse_maps(pid: u32, maps: &[u8]) -> Vec<MappedLibrary> {
     let mut found: Vec<MappedLibrary> = Vec::new();
     // Cheap reject first: most processes never map libcuda.
-    if !contains(&maps, b"libcuda.so") && !contains(&maps, b"libgpu_observer_cupti") {
+    if !contains(maps, b"libcuda.so") && !contains(maps, b"libgpu_observer_cupti") {
         return found;
     }
     for line in maps.split(|&b| b == b'\n') {
@@ -86,29 +86,28 @@ pub fn scan_pid(pid: u32) -> Vec<MappedLibrary> {
         };
         // address perms offset dev inode path
         let mut fields = line.splitn(6, ' ');
-        let path = fields.nth(5).map(str::trim_start).unwrap_or("");
-        if !path.starts_with('/') || path.ends_with(" (deleted)") {
+        let (Some(dev), Some(Ok(ino))) = (fields.nth(3), fields.next().map(str::parse::<u64>)) else {
+            continue;
+        };
+        let path = fields.next().map(str::trim_start).unwrap_or("");
+        if !path.starts_with('/') || path.ends_with(" (deleted)") || ino == 0 {
             continue;
         }
         let Some(kind) = kind_of(path) else {
             continue;
         };
-        if found.iter().any(|l| l.path == path) {
-            continue;
-        }
-        let host_path = Path::new(&format!("/proc/{pid}/root")).join(path.trim_start_matches('/'));
-        let Ok(key) = FileKey::of(&host_path) else {
-            continue;
+        let mapping = MappingId {
+            dev: dev.to_string(),
+            ino,
         };
-        if found.iter().any(|l| l.key == key) {
+        if found.iter().any(|l| l.mapping == mapping) {
             continue;
         }
         found.push(MappedLibrary {
             kind,
             pid,
             path: path.to_string(),
-            host_path,
-            key,
+            mapping,
         });
     }
     found
@@ -170,6 +169,31 @@ mod tests {
         assert_eq!(kind_of("/usr/lib/libcuda.so.1"), Some(LibKind::Cuda));
         assert_eq!(kind_of("/x/libgpu_observer_cupti.so"), Some(LibKind::Hooks));
         assert_eq!(kind_of("/x/libc.so.6"), None);
+    }
+
+    #[test]
+    fn maps_lines_give_path_device_and_inode() {
+        let maps = b"7f00-7f01 r--p 00000000 fd:01 1234 /usr/lib/libcuda.so.1\n\
+7f01-7f02 r-xp 00001000 fd:01 1234 /usr/lib/libcuda.so.1\n\
+7f02-7f03 r--p 00000000 00:2a 99 /home/u/x/libcuda.so.580.1\n\
+7f03-7f04 r--p 00000000 00:2a 98 /home/u/x/libcuda.so.2 (deleted)\n\
+7f04-7f05 rw-p 00000000 00:00 0 \n\
+7f05-7f06 r--p 00000000 08:02 77 /opt/libgpu_observer_cupti.so\n\
+7f06-7f07 r--p 00000000 08:02 76 /usr/lib/libc.so.6\n";
+        let got = parse_maps(5, maps);
+        let ids: Vec<(LibKind, &str, &str, u64)> = got
+            .iter()
+            .map(|l| (l.kind, l.path.as_str(), l.mapping.dev.as_str(), l.mapping.ino))
+            .collect();
+        assert_eq!(
+            ids,
+            [
+                (LibKind::Cuda, "/usr/lib/libcuda.so.1", "fd:01", 1234),
+                (LibKind::Cuda, "/home/u/x/libcuda.so.580.1", "00:2a", 99),
+                (LibKind::Hooks, "/opt/libgpu_observer_cupti.so", "08:02", 77),
+            ]
+        );
+        assert!(got.iter().all(|l| l.pid == 5));
     }
 
     #[test]

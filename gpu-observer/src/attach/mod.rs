@@ -1,20 +1,28 @@
 //! Attach: load the eBPF object, hook the tracepoints, and put uprobes on every libcuda file the
 //! observed processes map (each file once, every probed variant it exports).
 
-mod attacher;
+pub mod attacher;
 pub mod discover;
 mod multi;
+pub mod open;
+pub mod stats;
 pub mod symbols;
 
-use std::{collections::HashMap, num::NonZeroU32, path::Path};
+use std::{
+    collections::HashMap,
+    ffi::{CStr, OsStr},
+    num::NonZeroU32,
+    os::unix::ffi::OsStrExt,
+    path::Path,
+};
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap, RingBuf},
     programs::{
         TracePoint, UProbe,
-        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
     },
 };
 use gpu_observer_common::{
@@ -35,20 +43,30 @@ static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"),
 pub struct AttachReport {
     pub entry_points: usize,
     pub probes: usize,
-    pub missing_required: Vec<&'static str>,
     /// Entry points whose attach failed (name, error).
     pub failed: Vec<(&'static str, String)>,
+}
+
+/// One attachment of a program to a library file.
+enum Link {
+    /// A uprobe-multi link; dropping it detaches every offset it covers.
+    Multi(std::os::fd::OwnedFd),
+    /// A perf-event uprobe of the named program, detached through aya.
+    Perf(&'static str, UProbeLinkId),
+}
+
+/// The links that hold one library file.
+struct AttachedFile {
+    links: Vec<Link>,
 }
 
 /// Loaded programs and the set of library files they are attached to.
 pub struct Probes {
     ebpf: Ebpf,
     scope: UProbeScope,
-    attached: HashMap<FileKey, String>,
+    attached: HashMap<FileKey, AttachedFile>,
     /// uprobe-multi programs, or None when the kernel lacks them (perf-event uprobes instead).
     multi: Option<multi::MultiPrograms>,
-    /// uprobe-multi links (one per program and library); dropping one detaches it.
-    links: Vec<std::os::fd::OwnedFd>,
 }
 
 const UPROBE_PROGRAMS: [&str; 7] = [
@@ -168,7 +186,6 @@ impl Probes {
             scope,
             attached: HashMap::new(),
             multi,
-            links: Vec::new(),
         })
     }
 
@@ -181,32 +198,43 @@ impl Probes {
         self.attached.contains_key(key)
     }
 
-    /// Attaches every probed entry point that `path` exports. `Ok(None)` if that file already is.
-    pub fn attach_library(&mut self, path: &Path, key: FileKey) -> Result<Option<AttachReport>> {
-        if self.attached.contains_key(&key) {
+    /// Attaches every probed entry point of the open, validated library `opened`, through its
+    /// descriptor (`/proc/self/fd/N`, see [`open::Opened::kernel_path`]). `Ok(None)` if that
+    /// file already is; an error if no probe could be attached.
+    pub fn attach_library(
+        &mut self,
+        opened: &open::Opened,
+        syms: &symbols::LibrarySymbols,
+    ) -> Result<Option<AttachReport>> {
+        if self.attached.contains_key(&opened.key) {
             return Ok(None);
         }
-        let syms = symbols::resolve(path)?;
+        let path = opened.kernel_path();
         let mut report = AttachReport {
             entry_points: 0,
             probes: 0,
-            missing_required: syms.missing_required.clone(),
             failed: Vec::new(),
         };
-        if self.multi.is_some() {
-            self.attach_multi(path, &syms, &mut report)?;
+        let links = if self.multi.is_some() {
+            self.attach_multi(&path, syms, &mut report)
         } else {
-            self.attach_perf(path, &syms, &mut report)?;
+            self.attach_perf(&path, syms, &mut report)?
+        };
+        if links.is_empty() {
+            let first = report
+                .failed
+                .first()
+                .map(|(n, e)| format!("{n}: {e}"))
+                .unwrap_or_default();
+            bail!("the kernel refused every probe ({first})");
         }
-        self.attached.insert(key, path.display().to_string());
+        self.attached.insert(opened.key, AttachedFile { links });
         Ok(Some(report))
     }
 
     /// One uprobe-multi link per program for this file.
-    fn attach_multi(&mut self, path: &Path, syms: &symbols::LibrarySymbols, report: &mut AttachReport) -> Result<()> {
+    fn attach_multi(&self, path: &CStr, syms: &symbols::LibrarySymbols, report: &mut AttachReport) -> Vec<Link> {
         let multi = self.multi.as_ref().expect("checked by the caller");
-        let cpath = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
-            .with_context(|| format!("path {} has a NUL byte", path.display()))?;
         let pid = match self.scope {
             UProbeScope::OneProcess(p) => p.get(),
             _ => 0,
@@ -230,6 +258,7 @@ impl Probes {
             g.cookies.push(api::cookie(p.id));
         }
         let mut failed: std::collections::HashSet<&'static str> = std::collections::HashSet::new();
+        let mut links = Vec::new();
         for LinkGroup {
             prog,
             ret,
@@ -238,9 +267,9 @@ impl Probes {
             cookies,
         } in groups
         {
-            match multi.attach(prog, &cpath, &offsets, &cookies, None, ret, pid) {
+            match multi.attach(prog, path, &offsets, &cookies, None, ret, pid) {
                 Ok(link) => {
-                    self.links.push(link);
+                    links.push(Link::Multi(link));
                     report.probes += offsets.len();
                 }
                 Err(e) => {
@@ -253,19 +282,29 @@ impl Probes {
             }
         }
         report.entry_points = syms.offsets.len() - failed.len();
-        Ok(())
+        links
     }
 
     /// Perf-event uprobes through aya, one per entry point and program.
-    fn attach_perf(&mut self, path: &Path, syms: &symbols::LibrarySymbols, report: &mut AttachReport) -> Result<()> {
+    fn attach_perf(
+        &mut self,
+        path: &CStr,
+        syms: &symbols::LibrarySymbols,
+        report: &mut AttachReport,
+    ) -> Result<Vec<Link>> {
+        let path = Path::new(OsStr::from_bytes(path.to_bytes()));
         let mut failed = std::collections::HashSet::new();
+        let mut links = Vec::new();
         for p in probe_points(syms) {
             let point = UProbeAttachPoint {
                 location: UProbeAttachLocation::AbsoluteOffset(p.offset),
                 cookie: Some(api::cookie(p.id)),
             };
             match uprobe(&mut self.ebpf, p.prog)?.attach(point, path, self.scope) {
-                Ok(_) => report.probes += 1,
+                Ok(id) => {
+                    links.push(Link::Perf(p.prog, id));
+                    report.probes += 1;
+                }
                 Err(e) => {
                     failed.insert(p.name);
                     report.failed.push((p.name, format!("{e:#}")));
@@ -273,37 +312,64 @@ impl Probes {
             }
         }
         report.entry_points = syms.offsets.len() - failed.len();
-        Ok(())
+        Ok(links)
     }
 
     /// Probes the hooks of a CUPTI injection library file (once per file). Its semaphore is
     /// the links' reference counter: raised in every process mapping the file, now or later,
     /// while we are attached, which is what turns the library's CUPTI collection on.
-    pub fn attach_hooks(&mut self, path: &Path, key: FileKey) -> Result<bool> {
-        if self.attached.contains_key(&key) {
+    pub fn attach_hooks(&mut self, opened: &open::Opened, hooks: &symbols::HookSymbols) -> Result<bool> {
+        if self.attached.contains_key(&opened.key) {
             return Ok(false);
         }
-        let hooks = symbols::resolve_hooks(path)?;
         let multi = self.multi.as_ref().ok_or_else(|| {
             anyhow!("CUPTI hooks need uprobe-multi links (Linux 6.6+); this process is observed with uprobes only")
         })?;
-        let cpath = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
-            .with_context(|| format!("path {} has a NUL byte", path.display()))?;
+        let path = opened.kernel_path();
         let pid = match self.scope {
             UProbeScope::OneProcess(p) => p.get(),
             _ => 0,
         };
+        let mut links = Vec::new();
         for (prog, offset) in [
             (names::PROG_CUPTI_BATCH, hooks.batch),
             (names::PROG_CUPTI_NAME, hooks.name),
         ] {
             let link = multi
-                .attach(prog, &cpath, &[offset], &[0], Some(&[hooks.semaphore]), false, pid)
-                .with_context(|| format!("attach {prog} to {}", path.display()))?;
-            self.links.push(link);
+                .attach(prog, &path, &[offset], &[0], Some(&[hooks.semaphore]), false, pid)
+                .with_context(|| format!("attach {prog}"))?;
+            links.push(Link::Multi(link));
         }
-        self.attached.insert(key, path.display().to_string());
+        self.attached.insert(opened.key, AttachedFile { links });
         Ok(true)
+    }
+
+    /// Detaches every probe of these files; returns the files that were attached.
+    ///
+    /// Closing a uprobe-multi link waits for an RCU grace period in the kernel (~45 ms here,
+    /// five links a libcuda); the links are closed from threads of their own at once, so the
+    /// waits overlap instead of adding up.
+    pub fn release(&mut self, keys: &[FileKey]) -> usize {
+        let mut fds = Vec::new();
+        let mut released = 0;
+        for key in keys {
+            let Some(file) = self.attached.remove(key) else {
+                continue;
+            };
+            released += 1;
+            for link in file.links {
+                match link {
+                    Link::Multi(fd) => fds.push(fd),
+                    Link::Perf(prog, id) => {
+                        if let Err(e) = uprobe(&mut self.ebpf, prog).and_then(|p| Ok(p.detach(id)?)) {
+                            crate::say(format_args!("warning: detaching {prog}: {e:#}"));
+                        }
+                    }
+                }
+            }
+        }
+        close_all(fds);
+        released
     }
 
     /// Stops every program (they return at their first instruction) without detaching.
@@ -352,6 +418,30 @@ impl Probes {
             drops.by_pid.insert(pid, values.iter().sum());
         }
         Ok(drops)
+    }
+}
+
+impl Drop for Probes {
+    /// Every library's links at once (see [`Probes::release`]), before aya drops the rest.
+    fn drop(&mut self) {
+        let keys: Vec<FileKey> = self.attached.keys().copied().collect();
+        self.release(&keys);
+    }
+}
+
+/// Closes descriptors from parallel threads (at most 64 at a time); one that cannot get a
+/// thread is closed here.
+fn close_all(fds: Vec<std::os::fd::OwnedFd>) {
+    let mut fds = fds.into_iter().peekable();
+    while fds.peek().is_some() {
+        let threads: Vec<_> = fds
+            .by_ref()
+            .take(64)
+            .filter_map(|fd| std::thread::Builder::new().spawn(move || drop(fd)).ok())
+            .collect();
+        for t in threads {
+            let _ = t.join();
+        }
     }
 }
 

@@ -54,7 +54,28 @@ pub fn open(path: Option<&Path>) -> Result<Nvml, String> {
     };
     let mut last = String::new();
     for c in &candidates {
-        match Lib::builder().lib_path(OsStr::new(c)).init() {
+        // A path (not a name for the loader to search) is opened first and loaded through that
+        // descriptor: a FIFO or device is refused instead of blocking dlopen, and the file
+        // checked is the file loaded.
+        let opened = if c.is_absolute() {
+            match crate::attach::open::open_host(c) {
+                Ok(o) => Some(o),
+                Err(e) => {
+                    last = match e.reason {
+                        crate::attach::stats::Reason::Unreachable => format!("cannot load {e}"),
+                        _ => format!("cannot load {}: {e}", c.display()),
+                    };
+                    continue;
+                }
+            }
+        } else {
+            None
+        };
+        let load = opened.as_ref().map_or_else(
+            || c.as_os_str().to_owned(),
+            |o| <OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(o.kernel_path().as_bytes()).to_owned(),
+        );
+        match Lib::builder().lib_path(&load).init() {
             Ok(lib) => {
                 return Ok(Nvml {
                     lib,
