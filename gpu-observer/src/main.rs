@@ -355,10 +355,24 @@ async fn observe(cli: Cli) -> Result<i32> {
         .map(|(_, n)| n)
         .sum();
     let gpus = hub.lock();
-    let text = terminal::final_summary(&corr, &gpus, &drops, wall_ns);
+    let text = format!(
+        "{}{}\n",
+        terminal::final_summary(&corr, &gpus, &drops, wall_ns),
+        at.stats()
+    );
     let written = match (output, summary_sink.as_mut()) {
         (Some(mut out), _) => out
-            .summary(&corr, &gpus, &drops, wall_ns, unattributed, exported.as_ref())
+            .summary(
+                &corr,
+                &gpus,
+                &drops,
+                wall_ns,
+                unattributed,
+                &[
+                    ("otlp", exported.clone().unwrap_or(serde_json::Value::Null)),
+                    ("libraries", at.stats().json()),
+                ],
+            )
             .and_then(|()| out.into_inner().flush())
             .map(|()| say(format_args!("{} events, {} dropped", corr.events, drops.total))),
         (None, Some(out)) if cli.format == Format::Terminal => {

@@ -34,7 +34,6 @@ pub enum Reason {
 }
 
 impl Reason {
-    #[allow(dead_code, reason = "read by AttachStats::json")]
     pub const ALL: [Reason; 12] = [
         Reason::Unreachable,
         Reason::NotRegularFile,
@@ -92,7 +91,6 @@ impl AttachStats {
     }
 
     /// For the summary JSON; its caller is export/jsonl (`JsonlWriter::summary`).
-    #[allow(dead_code, reason = "the summary line that shows it is written by export/jsonl")]
     /// `{"attached":N,"attached_now":N,"released":N,"refused":N,"refused_by_reason":{...}}`,
     /// every reason present (0 when none), for the summary.
     pub fn json(&self) -> serde_json::Value {

@@ -328,7 +328,8 @@ impl<W: Write> JsonlWriter<W> {
         drops: &Drops,
         wall_ns: u64,
         unattributed: u64,
-        otlp: Option<&serde_json::Value>,
+        // What other parts of the agent report in the total, by key (`otlp`, `libraries`).
+        agent: &[(&str, serde_json::Value)],
     ) -> io::Result<()> {
         for p in corr.sorted() {
             self.process_summary(
@@ -371,8 +372,10 @@ impl<W: Write> JsonlWriter<W> {
             crate::decode::demangle::style()
         )?;
         self.nvml_total(gpus)?;
-        self.out.write_all(b",\"otlp\":")?;
-        serde_json::to_writer(&mut self.out, &otlp.unwrap_or(&serde_json::Value::Null)).map_err(io::Error::other)?;
+        for (key, value) in agent {
+            write!(self.out, ",\"{key}\":")?;
+            serde_json::to_writer(&mut self.out, value).map_err(io::Error::other)?;
+        }
         self.out.write_all(b"}\n")?;
         self.out.flush()
     }
