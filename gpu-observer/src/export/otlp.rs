@@ -1182,7 +1182,7 @@ mod tests {
         let _ = child.kill();
         let _ = child.wait();
         assert!(truncated);
-        let want = format!("sleep 30 {}…", "a".repeat(MAX_COMMAND_LINE - "sleep\030\0".len()));
+        let want = format!("sleep 30 {}…", "a".repeat(MAX_COMMAND_LINE - "sleep 30 ".len()));
         assert_eq!(line, want);
         let (short, cut) = command_line(std::process::id()).expect("own cmdline");
         assert!(!cut && !short.ends_with('…'), "{short}");
