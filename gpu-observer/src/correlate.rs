@@ -19,7 +19,7 @@ use crate::decode::{Body, Call, Event, HostMemory, KernelName};
 
 pub mod gpu;
 
-use gpu::{GpuActivity, GpuState, Recent, Status};
+use gpu::{GpuActivity, GpuState, Pool, Recent, Status};
 
 /// Live allocations remembered per process.
 const MAX_LIVE_ALLOCS: usize = 1 << 20;
@@ -40,8 +40,9 @@ const NAME_OVERHEAD: u64 = 96;
 /// Bytes a remembered live allocation costs (B-tree slot with its key and value).
 const ALLOC_COST: u64 = 64;
 /// Bytes an exited process's counters may cost at worst (capped maps of ioctl commands, sync
-/// handles and API counts, see the `MAX_*` above).
-const EXITED_COST: u64 = 48 * 1024;
+/// handles and API counts, see the `MAX_*` above, and the names of its top GPU kernels kept by
+/// [`gpu::GpuState::release`]).
+const EXITED_COST: u64 = 80 * 1024;
 /// Kernels an exited process keeps for its final summary (the most launched).
 const EXITED_TOP_KERNELS: usize = 16;
 
@@ -50,8 +51,9 @@ const EXITED_TOP_KERNELS: usize = 16;
 /// Derived from `--memory-limit-mb` once the agent runs (at the first event): what the agent
 /// already holds then (its resident set: code, the loaded eBPF objects, buffers), twice the
 /// ring buffer (its data pages are mapped twice) and [`SLACK_BYTES`] are taken off; of the rest,
-/// half is for kernel names, a quarter for live allocations, a quarter for exited processes'
-/// counters. Never less than [`MIN_TABLES_BYTES`] in all: a limit below what the agent needs to
+/// 3/8 is for kernel names, 3/16 for live allocations, 3/16 for exited processes' counters and
+/// a quarter for the CUPTI join (calls waiting for their API record, correlation ids, activity
+/// waiting for its call, CUPTI's kernel names: [`gpu::Pool`]). Never less than [`MIN_TABLES_BYTES`] in all: a limit below what the agent needs to
 /// run cannot be kept, and the summary's `memory_budget` shows what was used.
 #[derive(Clone, Copy, Debug)]
 pub struct Budget {
@@ -61,6 +63,8 @@ pub struct Budget {
     pub name_bytes: u64,
     pub allocs: u64,
     pub exited: usize,
+    /// Bytes for the CUPTI join state of all processes.
+    pub cupti_bytes: u64,
 }
 
 /// Allocator slack and what the final summary's formatting needs.
@@ -81,11 +85,12 @@ impl Budget {
         Self {
             limit_mb: mb,
             tables_bytes: tables,
-            name_bytes: tables / 2,
-            allocs: tables / 4 / ALLOC_COST,
-            exited: usize::try_from(tables / 4 / EXITED_COST)
+            name_bytes: tables / 8 * 3,
+            allocs: tables / 16 * 3 / ALLOC_COST,
+            exited: usize::try_from(tables / 16 * 3 / EXITED_COST)
                 .unwrap_or(MAX_EXITED)
                 .clamp(16, MAX_EXITED),
+            cupti_bytes: tables / 4,
         }
     }
 }
@@ -119,6 +124,11 @@ pub struct Evicted {
     pub allocations: u64,
     /// Exited processes forgotten, oldest first (also `forgotten_processes`).
     pub processes: u64,
+    /// CUPTI join state let go because its share of the budget was full: uprobe calls that
+    /// stopped waiting for their API record, correlation ids forgotten (their later activity is
+    /// unjoined), activity records sent out unjoined before their API record came, device
+    /// records not kept (see [`gpu::Pool`]).
+    pub cupti_records: u64,
 }
 
 /// What the tables hold now, against the [`Budget`].
@@ -126,6 +136,7 @@ pub struct Evicted {
 struct Used {
     name_bytes: u64,
     allocs: u64,
+    cupti_bytes: u64,
 }
 
 fn name_cost(n: &KernelName) -> u64 {
@@ -499,6 +510,17 @@ impl Correlator {
         }
         let threshold = self.threshold_ns;
         let (budget, used, evicted) = (&self.budget, &mut self.used, &mut self.evicted);
+        // The CUPTI join's share of the budget, borrowed where it is needed.
+        macro_rules! pool {
+            () => {
+                &mut Pool {
+                    limit: budget.cupti_bytes,
+                    used: &mut used.cupti_bytes,
+                    evicted: &mut evicted.cupti_records,
+                    names_evicted: &mut evicted.kernel_names,
+                }
+            };
+        }
         let p = self
             .procs
             .entry(ev.pid)
@@ -549,6 +571,7 @@ impl Correlator {
                             api: spec,
                             kernel: l.kernel.clone(),
                         },
+                        pool!(),
                     );
                 }
             }
@@ -575,18 +598,21 @@ impl Correlator {
                             api: spec,
                             kernel: None,
                         },
+                        pool!(),
                     );
                 }
             }
             Body::Gpu(rec) => {
                 let comm = p.comm_bytes();
                 let g = p.gpu.get_or_insert_with(Default::default);
-                if let Some(status) = g.record(ev.pid, comm, rec, &mut self.gpu_out) {
+                if let Some(status) = g.record(ev.pid, comm, rec, &mut self.gpu_out, pool!()) {
                     self.cupti_changes.push((ev.pid, ev.ts_ns, p.comm.clone(), status));
                 }
             }
             Body::GpuName { key, name } => {
-                p.gpu.get_or_insert_with(Default::default).name(*key, name.clone());
+                p.gpu
+                    .get_or_insert_with(Default::default)
+                    .name(*key, name.clone(), pool!());
             }
             Body::Ioctl(i) => {
                 i.device = p.device(i.fd);
@@ -609,7 +635,9 @@ impl Correlator {
             Body::ProcessExit => {
                 let comm = p.comm_bytes();
                 if let Some(g) = p.gpu.as_deref_mut() {
-                    g.expire(ev.pid, comm, u64::MAX, &mut self.gpu_out);
+                    g.expire(ev.pid, comm, u64::MAX, &mut self.gpu_out, pool!());
+                    // Its join state is of no more use: only the counters stay.
+                    g.release(pool!());
                 }
                 if !p.exited {
                     p.release(used);
@@ -622,6 +650,8 @@ impl Correlator {
                     && let Some(gone) = self.procs.remove(&old)
                 {
                     self.forgotten_abandoned += gone.stats.abandoned_calls;
+                    // GPU records that came after the exit may have been charged since.
+                    used.cupti_bytes -= gone.gpu.as_deref().map_or(0, GpuState::held);
                     self.forgotten += 1;
                     evicted.processes += 1;
                 }
@@ -757,10 +787,21 @@ impl Correlator {
         } else {
             now_ns.saturating_sub(gpu::PENDING_AGE_NS)
         };
+        let (budget, used, evicted) = (&self.budget, &mut self.used, &mut self.evicted);
         for p in self.procs.values_mut() {
             let comm = p.comm_bytes();
-            if let Some(g) = p.gpu.as_deref_mut().filter(|g| g.has_pending()) {
-                g.expire(p.pid, comm, before, &mut self.gpu_out);
+            let Some(g) = p.gpu.as_deref_mut() else { continue };
+            let mut pool = Pool {
+                limit: budget.cupti_bytes,
+                used: &mut used.cupti_bytes,
+                evicted: &mut evicted.cupti_records,
+                names_evicted: &mut evicted.kernel_names,
+            };
+            if g.has_pending() {
+                g.expire(p.pid, comm, before, &mut self.gpu_out, &mut pool);
+            }
+            if now_ns != u64::MAX {
+                g.age(now_ns, &mut pool);
             }
         }
     }

@@ -9,6 +9,11 @@
 //! activity records find their origin by correlation id — in whichever order they arrive
 //! (activity before its API record waits in `pending`). Everything is bounded; whatever ages
 //! out unjoined is still emitted and counted as unjoined.
+//!
+//! Bounded twice: per process by the `MAX_*` below, and over all processes together by the
+//! CUPTI share of the agent's memory budget ([`Pool`], `--memory-limit-mb`), so that neither
+//! many threads nor many processes can add up past it. What the share has no room for is let
+//! go, oldest of the same thread or process first, and counted (`evicted.cupti_records`).
 
 use std::{
     collections::{BTreeMap, HashMap, VecDeque},
@@ -39,6 +44,46 @@ pub const PENDING_AGE_NS: u64 = 5_000_000_000;
 const RECENT_AGE_NS: u64 = 30_000_000_000;
 /// Kernel names tracked for the per-process top list.
 const MAX_TOP: usize = 1024;
+/// CUPTI kernel names remembered per process.
+const MAX_GPU_NAMES: usize = 65_536;
+/// Devices described per process (a node has at most a few dozen).
+const MAX_DEVICES: usize = 64;
+/// Kernels an exited process keeps in its top list.
+const EXITED_TOP: usize = 16;
+
+/// Bytes charged to the [`Pool`] for what the tables hold. Sized from the types (see the
+/// comments), rounded up for the map slots' load factor and the queues' doubling growth.
+/// A waiting uprobe call: `Recent` (24 bytes) in a queue up to twice its length.
+const RECENT_COST: u64 = 64;
+/// A thread with calls waiting: its map slot and queue header, and the allocator's minimum.
+const THREAD_COST: u64 = 128;
+/// A correlation id's `Origin` (~80 bytes) in a map slot, and its id in the FIFO.
+const ORIGIN_COST: u64 = 160;
+/// An activity record waiting for its API record, in a vector up to twice its length, plus
+/// its share of the map slot.
+const PENDING_COST: u64 = 2 * std::mem::size_of::<GpuRecord>() as u64 + 32;
+/// An entry of the FIFO of waiting activity (correlation id, start).
+const ORDER_COST: u64 = 32;
+/// A kernel of the top list: its map slot beyond the name's bytes.
+const TOP_COST: u64 = 64;
+
+/// The CUPTI join's share of the agent's memory budget over all processes
+/// (`Budget::cupti_bytes`, see `correlate.rs`): every [`GpuState`] charges what its tables
+/// hold here, gives it back when the entries go, and all of it when its process exits.
+pub struct Pool<'a> {
+    pub limit: u64,
+    pub used: &'a mut u64,
+    /// Let go because the share was full (`Evicted::cupti_records`).
+    pub evicted: &'a mut u64,
+    /// CUPTI's kernel names not remembered (`Evicted::kernel_names`).
+    pub names_evicted: &'a mut u64,
+}
+
+impl Pool<'_> {
+    fn fits(&self, cost: u64) -> bool {
+        *self.used + cost <= self.limit
+    }
+}
 
 /// A launch/copy/memset call seen by the uprobes, as the join needs it.
 #[derive(Clone, Debug)]
@@ -236,43 +281,159 @@ pub struct GpuState {
     pending: HashMap<u32, Vec<GpuRecord>>,
     pending_order: VecDeque<(u32, u64)>,
     pending_count: usize,
+    /// Bytes charged to the [`Pool`] for this process's tables.
+    held: u64,
 }
 
 impl GpuState {
-    /// A launch/copy/memset call of this process, seen by the uprobes.
-    pub fn call(&mut self, tid: u32, r: Recent) {
-        if !self.recent.contains_key(&tid) && self.recent.len() >= MAX_THREADS {
-            self.stats.recent_evicted += 1;
-            return;
-        }
-        let q = self.recent.entry(tid).or_default();
-        while let Some(f) = q.front() {
-            let aged = f.ts_ns + RECENT_AGE_NS < r.ts_ns;
-            if !aged && self.recent_len < MAX_RECENT {
-                break;
-            }
-            q.pop_front();
+    fn charge(&mut self, pool: &mut Pool, cost: u64) {
+        *pool.used += cost;
+        self.held += cost;
+    }
+
+    fn refund(&mut self, pool: &mut Pool, cost: u64) {
+        *pool.used -= cost;
+        self.held -= cost;
+    }
+
+    /// Bytes this process's join state is charged.
+    pub fn held(&self) -> u64 {
+        self.held
+    }
+
+    /// Drops the oldest waiting call of `tid` (its queue must be non-empty), and the thread's
+    /// entry when that was the last one.
+    fn pop_recent(&mut self, tid: u32, pool: &mut Pool) {
+        let Some(q) = self.recent.get_mut(&tid) else { return };
+        let popped = q.pop_front().is_some();
+        let empty = q.is_empty();
+        if popped {
             self.recent_len -= 1;
             self.stats.recent_evicted += 1;
+            self.refund(pool, RECENT_COST);
+        }
+        if empty {
+            self.recent.remove(&tid);
+            self.refund(pool, THREAD_COST);
+        }
+    }
+
+    /// A launch/copy/memset call of this process, seen by the uprobes.
+    pub fn call(&mut self, tid: u32, r: Recent, pool: &mut Pool) {
+        // This thread's calls that waited too long, or that the per-process cap pushes out.
+        while let Some(f) = self.recent.get(&tid).and_then(VecDeque::front) {
+            if f.ts_ns + RECENT_AGE_NS >= r.ts_ns && self.recent_len < MAX_RECENT {
+                break;
+            }
+            self.pop_recent(tid, pool);
+        }
+        let known = self.recent.contains_key(&tid);
+        if !known && self.recent.len() >= MAX_THREADS {
+            self.stats.recent_evicted += 1;
+            return;
         }
         if self.recent_len >= MAX_RECENT {
             // Full with other threads' calls: this one cannot wait.
             self.stats.recent_evicted += 1;
             return;
         }
-        q.push_back(r);
+        let cost = RECENT_COST + if known { 0 } else { THREAD_COST };
+        if !pool.fits(cost) {
+            // The share is full: the thread's own oldest call makes room, else this one goes.
+            *pool.evicted += 1;
+            if known {
+                self.pop_recent(tid, pool);
+                if !self.recent.contains_key(&tid) {
+                    // That was its only one: the thread's entry went with it.
+                    if !pool.fits(RECENT_COST + THREAD_COST) {
+                        self.stats.recent_evicted += 1;
+                        return;
+                    }
+                    self.charge(pool, RECENT_COST + THREAD_COST);
+                } else {
+                    self.charge(pool, RECENT_COST);
+                }
+            } else {
+                self.stats.recent_evicted += 1;
+                return;
+            }
+        } else {
+            self.charge(pool, cost);
+        }
+        self.recent.entry(tid).or_default().push_back(r);
         self.recent_len += 1;
     }
 
-    pub fn name(&mut self, key: u64, name: Arc<KernelName>) {
-        if self.names.len() < 65_536 || self.names.contains_key(&key) {
-            self.names.insert(key, name);
+    /// Drops waiting calls older than [`RECENT_AGE_NS`] before `now_ns`, in every thread (a
+    /// thread that stopped calling would otherwise hold its calls until the process exits).
+    pub fn age(&mut self, now_ns: u64, pool: &mut Pool) {
+        let Some(before) = now_ns.checked_sub(RECENT_AGE_NS) else {
+            return;
+        };
+        let aged: Vec<u32> = self
+            .recent
+            .iter()
+            .filter(|(_, q)| q.front().is_some_and(|f| f.ts_ns < before))
+            .map(|(t, _)| *t)
+            .collect();
+        for tid in aged {
+            while let Some(f) = self.recent.get(&tid).and_then(VecDeque::front) {
+                if f.ts_ns >= before {
+                    break;
+                }
+                self.pop_recent(tid, pool);
+            }
         }
+    }
+
+    pub fn name(&mut self, key: u64, name: Arc<KernelName>, pool: &mut Pool) {
+        let cost = super::name_cost(&name);
+        let old = self.names.get(&key).map_or(0, |n| super::name_cost(n));
+        let fits = (self.names.len() < MAX_GPU_NAMES || old != 0) && *pool.used - old + cost <= pool.limit;
+        if !fits {
+            *pool.names_evicted += 1;
+            return;
+        }
+        self.refund(pool, old);
+        self.charge(pool, cost);
+        self.names.insert(key, name);
+    }
+
+    /// At the process's exit (after [`GpuState::expire`] of everything): releases the join
+    /// tables, keeps the counters and the top kernels by GPU time, gives the bytes back.
+    pub fn release(&mut self, pool: &mut Pool) {
+        self.recent = HashMap::new();
+        self.recent_len = 0;
+        self.origins = HashMap::new();
+        self.origin_order = VecDeque::new();
+        self.pending = HashMap::new();
+        self.pending_order = VecDeque::new();
+        self.pending_count = 0;
+        self.names = HashMap::new();
+        self.devices = HashMap::new();
+        if self.stats.by_kernel.len() > EXITED_TOP {
+            let keep: Vec<Arc<str>> = self
+                .stats
+                .top_kernels(EXITED_TOP)
+                .into_iter()
+                .map(|(k, _, _)| Arc::from(k))
+                .collect();
+            self.stats.by_kernel.retain(|k, _| keep.contains(k));
+        }
+        *pool.used -= self.held;
+        self.held = 0;
     }
 
     /// Folds in one record; joined activity goes to `out`. Returns the new state when a
     /// status record changed it.
-    pub fn record(&mut self, pid: u32, comm: [u8; 16], rec: &GpuRecord, out: &mut Vec<GpuActivity>) -> Option<Status> {
+    pub fn record(
+        &mut self,
+        pid: u32,
+        comm: [u8; 16],
+        rec: &GpuRecord,
+        out: &mut Vec<GpuActivity>,
+        pool: &mut Pool,
+    ) -> Option<Status> {
         match GpuRecordKind::from_u32(rec.kind)? {
             GpuRecordKind::Status => {
                 let a = |i: usize| rec.aux[i];
@@ -291,18 +452,22 @@ impl GpuState {
                 changed.then_some(new)
             }
             GpuRecordKind::Device => {
-                self.devices.insert(rec.device, Device::from_record(rec));
+                if self.devices.len() < MAX_DEVICES || self.devices.contains_key(&rec.device) {
+                    self.devices.insert(rec.device, Device::from_record(rec));
+                } else {
+                    *pool.evicted += 1;
+                }
                 None
             }
             GpuRecordKind::Api | GpuRecordKind::RuntimeApi => {
-                self.api(rec, pid, comm, out);
+                self.api(rec, pid, comm, out, pool);
                 None
             }
             GpuRecordKind::Kernel | GpuRecordKind::Memcpy | GpuRecordKind::Memset => {
-                if self.origins.contains_key(&rec.correlation_id) {
-                    self.emit(pid, comm, *rec, out);
+                if let Some(o) = self.origins.get(&rec.correlation_id).cloned() {
+                    self.emit(pid, comm, *rec, Some(o), out, pool);
                 } else {
-                    self.park(pid, comm, *rec, out);
+                    self.park(pid, comm, *rec, out, pool);
                 }
                 None
             }
@@ -312,7 +477,7 @@ impl GpuState {
     /// An API record claims the uprobe event of its call: for a driver call, the latest one of
     /// that entry point on the thread that entered before the call ended; for a runtime call,
     /// the first driver call of the matching family made inside it.
-    fn api(&mut self, rec: &GpuRecord, pid: u32, comm: [u8; 16], out: &mut Vec<GpuActivity>) {
+    fn api(&mut self, rec: &GpuRecord, pid: u32, comm: [u8; 16], out: &mut Vec<GpuActivity>, pool: &mut Pool) {
         let q = self.recent.get_mut(&rec.tid);
         let (cupti_api, found) = if rec.kind == GpuRecordKind::RuntimeApi as u32 {
             let Some((name, family)) = cupti::runtime_api_of_cbid(rec.cbid) else {
@@ -340,7 +505,14 @@ impl GpuState {
             });
             (name, found)
         };
-        self.recent_len -= usize::from(found.is_some());
+        if found.is_some() {
+            self.recent_len -= 1;
+            self.refund(pool, RECENT_COST);
+            if self.recent.get(&rec.tid).is_some_and(VecDeque::is_empty) {
+                self.recent.remove(&rec.tid);
+                self.refund(pool, THREAD_COST);
+            }
+        }
         self.stats.api_records += 1;
         if found.is_none() {
             self.stats.api_unmatched += 1;
@@ -362,32 +534,71 @@ impl GpuState {
             api_end_ns: rec.end_ns,
             kernel: found.and_then(|r| r.kernel),
         };
-        if self.origins.len() >= MAX_ORIGINS
-            && let Some(old) = self.origin_order.pop_front()
-        {
-            self.origins.remove(&old);
+        let waiting = self.pending.remove(&rec.correlation_id);
+        if let Some(w) = &waiting {
+            self.pending_count -= w.len();
+            self.refund(pool, PENDING_COST * w.len() as u64);
         }
-        if self.origins.insert(rec.correlation_id, origin).is_none() {
+        let known = self.origins.contains_key(&rec.correlation_id);
+        if !known && self.origins.len() >= MAX_ORIGINS {
+            self.forget_oldest_origin(pool);
+        }
+        // The share is full: this process's oldest ids make room; with none, this id is not
+        // remembered (what waited for it is still joined below; later activity is unjoined).
+        while !known && !pool.fits(ORIGIN_COST) && !self.origin_order.is_empty() {
+            *pool.evicted += 1;
+            self.forget_oldest_origin(pool);
+        }
+        if known {
+            self.origins.insert(rec.correlation_id, origin.clone());
+        } else if pool.fits(ORIGIN_COST) {
+            self.charge(pool, ORIGIN_COST);
+            self.origins.insert(rec.correlation_id, origin.clone());
             self.origin_order.push_back(rec.correlation_id);
+        } else {
+            *pool.evicted += 1;
         }
-        if let Some(waiting) = self.pending.remove(&rec.correlation_id) {
-            self.pending_count -= waiting.len();
-            for r in waiting {
-                self.emit(pid, comm, r, out);
-            }
+        for r in waiting.into_iter().flatten() {
+            self.emit(pid, comm, r, Some(origin.clone()), out, pool);
         }
     }
 
-    fn park(&mut self, pid: u32, comm: [u8; 16], rec: GpuRecord, out: &mut Vec<GpuActivity>) {
+    fn forget_oldest_origin(&mut self, pool: &mut Pool) {
+        if let Some(old) = self.origin_order.pop_front()
+            && self.origins.remove(&old).is_some()
+        {
+            self.refund(pool, ORIGIN_COST);
+        }
+    }
+
+    fn park(&mut self, pid: u32, comm: [u8; 16], rec: GpuRecord, out: &mut Vec<GpuActivity>, pool: &mut Pool) {
         if self.pending_count >= MAX_PENDING {
             // Bound hit: the oldest half goes out unjoined.
-            self.expire_while(pid, comm, out, |_, waiting| waiting > MAX_PENDING / 2);
+            self.expire_while(pid, comm, out, pool, |_, waiting| waiting > MAX_PENDING / 2);
         }
-        if self.pending_order.len() > 2 * MAX_PENDING {
+        if self.pending_order.len() > 2 * self.pending_count + 1024 {
             // Entries of ids joined since are stale: drop them.
+            let before = self.pending_order.len();
             let pending = &self.pending;
             self.pending_order.retain(|(c, _)| pending.contains_key(c));
+            let gone = (before - self.pending_order.len()) as u64;
+            self.refund(pool, ORDER_COST * gone);
         }
+        let cost = PENDING_COST + ORDER_COST;
+        if !pool.fits(cost) && self.pending_count > 0 {
+            // The share is full: this process's oldest waiting half goes out unjoined.
+            let before = self.stats.unjoined;
+            let half = self.pending_count / 2;
+            self.expire_while(pid, comm, out, pool, |_, waiting| waiting > half);
+            *pool.evicted += self.stats.unjoined - before;
+        }
+        if !pool.fits(cost) {
+            // Still no room: this record cannot wait for its API record.
+            *pool.evicted += 1;
+            self.emit(pid, comm, rec, None, out, pool);
+            return;
+        }
+        self.charge(pool, cost);
         self.pending.entry(rec.correlation_id).or_default().push(rec);
         self.pending_order.push_back((rec.correlation_id, rec.start_ns));
         self.pending_count += 1;
@@ -395,8 +606,8 @@ impl GpuState {
 
     /// Emits, unjoined, the activity records that started before `before_ns` and still wait
     /// for their API record (`u64::MAX`: all of them, at exit).
-    pub fn expire(&mut self, pid: u32, comm: [u8; 16], before_ns: u64, out: &mut Vec<GpuActivity>) {
-        self.expire_while(pid, comm, out, |ts, _| before_ns == u64::MAX || ts < before_ns);
+    pub fn expire(&mut self, pid: u32, comm: [u8; 16], before_ns: u64, out: &mut Vec<GpuActivity>, pool: &mut Pool) {
+        self.expire_while(pid, comm, out, pool, |ts, _| before_ns == u64::MAX || ts < before_ns);
     }
 
     fn expire_while(
@@ -404,6 +615,7 @@ impl GpuState {
         pid: u32,
         comm: [u8; 16],
         out: &mut Vec<GpuActivity>,
+        pool: &mut Pool,
         go_on: impl Fn(u64, usize) -> bool,
     ) {
         while let Some(&(corr, ts)) = self.pending_order.front() {
@@ -411,10 +623,12 @@ impl GpuState {
                 break;
             }
             self.pending_order.pop_front();
+            self.refund(pool, ORDER_COST);
             if let Some(waiting) = self.pending.remove(&corr) {
                 self.pending_count -= waiting.len();
+                self.refund(pool, PENDING_COST * waiting.len() as u64);
                 for r in waiting {
-                    self.emit(pid, comm, r, out);
+                    self.emit(pid, comm, r, None, out, pool);
                 }
             }
         }
@@ -425,8 +639,16 @@ impl GpuState {
         self.pending_count > 0
     }
 
-    fn emit(&mut self, pid: u32, comm: [u8; 16], rec: GpuRecord, out: &mut Vec<GpuActivity>) {
-        let origin = self.origins.get(&rec.correlation_id).cloned();
+    /// One activity record out, with the origin of its correlation id when known.
+    fn emit(
+        &mut self,
+        pid: u32,
+        comm: [u8; 16],
+        rec: GpuRecord,
+        origin: Option<Origin>,
+        out: &mut Vec<GpuActivity>,
+        pool: &mut Pool,
+    ) {
         let s = &mut self.stats;
         let dur = rec.end_ns.saturating_sub(rec.start_ns);
         if s.first_gpu_ns == 0 || rec.start_ns < s.first_gpu_ns {
@@ -450,12 +672,20 @@ impl GpuState {
                     .get(&rec.name_key)
                     .cloned()
                     .or_else(|| origin.as_ref().and_then(|o| o.kernel.clone()));
-                if let Some(k) = &kernel
-                    && (s.by_kernel.len() < MAX_TOP || s.by_kernel.contains_key(&*k.demangled))
-                {
-                    let e = s.by_kernel.entry(Arc::from(&*k.demangled)).or_default();
-                    e.0 += 1;
-                    e.1 += dur;
+                if let Some(k) = &kernel {
+                    if let Some(e) = s.by_kernel.get_mut(&*k.demangled) {
+                        e.0 += 1;
+                        e.1 += dur;
+                    } else {
+                        // A new name in the top list costs its bytes: only while the share has
+                        // room (the kernel is counted in the totals either way).
+                        let cost = TOP_COST + k.demangled.len() as u64;
+                        if s.by_kernel.len() < MAX_TOP && pool.fits(cost) {
+                            s.by_kernel.insert(Arc::from(&*k.demangled), (1, dur));
+                            *pool.used += cost;
+                            self.held += cost;
+                        }
+                    }
                 }
                 if let Some(d) = self.devices.get(&rec.device) {
                     sm_count = Some(d.sm_count);
@@ -544,6 +774,26 @@ pub fn memory_kind_name(k: u16) -> &'static str {
 mod tests {
     use super::*;
 
+    /// An unbounded pool's counters, for the tests of the join itself.
+    #[derive(Default)]
+    struct Counts {
+        used: u64,
+        evicted: u64,
+        names: u64,
+        limit: Option<u64>,
+    }
+
+    impl Counts {
+        fn pool(&mut self) -> Pool<'_> {
+            Pool {
+                limit: self.limit.unwrap_or(u64::MAX),
+                used: &mut self.used,
+                evicted: &mut self.evicted,
+                names_evicted: &mut self.names,
+            }
+        }
+    }
+
     const H100: Device = Device {
         sm_count: 132,
         max_threads_per_sm: 2048,
@@ -603,19 +853,20 @@ mod tests {
     #[test]
     fn activity_joins_its_launch_in_either_order() {
         let mut g = GpuState::default();
+        let mut c = Counts::default();
         let mut out = Vec::new();
-        g.call(7, launch(1_000));
-        g.call(7, launch(5_000));
+        g.call(7, launch(1_000), &mut c.pool());
+        g.call(7, launch(5_000), &mut c.pool());
         // Kernel of the second launch before its API record: it waits.
-        g.record(1, [0; 16], &kernel_rec(2, 9_000, 12_000), &mut out);
+        g.record(1, [0; 16], &kernel_rec(2, 9_000, 12_000), &mut out, &mut c.pool());
         assert!(out.is_empty() && g.has_pending());
-        g.record(1, [0; 16], &api_rec(1, 7, 307, 1_200, 2_000), &mut out);
-        g.record(1, [0; 16], &api_rec(2, 7, 307, 5_300, 6_000), &mut out);
+        g.record(1, [0; 16], &api_rec(1, 7, 307, 1_200, 2_000), &mut out, &mut c.pool());
+        g.record(1, [0; 16], &api_rec(2, 7, 307, 5_300, 6_000), &mut out, &mut c.pool());
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].origin.as_ref().unwrap().launch_ts_ns, Some(5_000));
         assert_eq!(out[0].queue_delay_ns(), Some(4_000));
         assert_eq!(out[0].kernel.as_ref().unwrap().demangled.as_ref(), "k");
-        g.record(1, [0; 16], &kernel_rec(1, 3_000, 4_000), &mut out);
+        g.record(1, [0; 16], &kernel_rec(1, 3_000, 4_000), &mut out, &mut c.pool());
         assert_eq!(out[1].origin.as_ref().unwrap().launch_ts_ns, Some(1_000));
         assert_eq!((g.stats.joined, g.stats.unjoined, g.stats.kernel_ns), (2, 0, 4_000));
         assert!(!g.has_pending());
@@ -624,25 +875,26 @@ mod tests {
     #[test]
     fn runtime_records_claim_the_driver_call_made_inside_them() {
         let mut g = GpuState::default();
+        let mut c = Counts::default();
         let mut out = Vec::new();
         let ex = Recent {
             ts_ns: 2_000,
             api: api::by_id(api::id_of("cuLaunchKernelEx").unwrap()).unwrap(),
             kernel: None,
         };
-        g.call(7, launch(500)); // before the runtime call: not it
-        g.call(7, ex);
+        g.call(7, launch(500), &mut c.pool()); // before the runtime call: not it
+        g.call(7, ex, &mut c.pool());
         let mut rt = api_rec(5, 7, 211, 1_500, 3_000); // cudaLaunchKernel
         rt.kind = GpuRecordKind::RuntimeApi as u32;
-        g.record(1, [0; 16], &rt, &mut out);
-        g.record(1, [0; 16], &kernel_rec(5, 4_000, 5_000), &mut out);
+        g.record(1, [0; 16], &rt, &mut out, &mut c.pool());
+        g.record(1, [0; 16], &kernel_rec(5, 4_000, 5_000), &mut out, &mut c.pool());
         let o = out[0].origin.as_ref().unwrap();
         assert_eq!((o.launch_ts_ns, o.cupti_api), (Some(2_000), "cudaLaunchKernel"));
         assert_eq!(o.api.map(|a| a.name), Some("cuLaunchKernelEx"));
         // A runtime memcpy made no probed driver call: joined to CUPTI's record only.
         let mut cp = api_rec(6, 7, 41, 6_000, 7_000);
         cp.kind = GpuRecordKind::RuntimeApi as u32;
-        g.record(1, [0; 16], &cp, &mut out);
+        g.record(1, [0; 16], &cp, &mut out, &mut c.pool());
         assert_eq!(g.stats.api_unmatched, 1);
         assert_eq!(runtime_name("cudaMemcpy_ptds_v7000"), "cudaMemcpy_ptds");
     }
@@ -650,36 +902,80 @@ mod tests {
     #[test]
     fn waiting_calls_are_bounded_per_process_and_counted() {
         let mut g = GpuState::default();
+        let mut c = Counts::default();
         for i in 0..(MAX_RECENT as u64 + 10) {
-            g.call((i % 3) as u32, launch(1_000 + i));
+            g.call((i % 3) as u32, launch(1_000 + i), &mut c.pool());
         }
         assert_eq!(g.recent_len, MAX_RECENT);
         assert_eq!(g.recent.values().map(VecDeque::len).sum::<usize>(), MAX_RECENT);
         assert_eq!(g.stats.recent_evicted, 10);
         // Thirty seconds later the old ones age out as new calls come.
-        g.call(0, launch(40_000_000_000));
+        g.call(0, launch(40_000_000_000), &mut c.pool());
         assert!(g.recent[&0].len() == 1 && g.recent_len < MAX_RECENT);
+    }
+
+    #[test]
+    fn the_shared_budget_bounds_all_threads_and_counts_what_it_lets_go() {
+        // Room for 100 waiting calls with their threads: 4000 threads calling once each.
+        let mut g = GpuState::default();
+        let mut c = Counts {
+            limit: Some(100 * (RECENT_COST + THREAD_COST)),
+            ..Default::default()
+        };
+        for t in 0..4000u32 {
+            g.call(t, launch(1_000 + u64::from(t)), &mut c.pool());
+        }
+        assert_eq!((g.recent.len(), g.recent_len), (100, 100));
+        assert_eq!(c.used, 100 * (RECENT_COST + THREAD_COST));
+        assert_eq!((c.evicted, g.stats.recent_evicted), (3900, 3900));
+        // A thread already waiting makes room with its own oldest call.
+        g.call(5, launch(9_000), &mut c.pool());
+        assert_eq!((g.recent[&5].len(), g.recent[&5][0].ts_ns), (1, 9_000));
+        assert_eq!(c.evicted, 3901);
+        // Claimed calls give their bytes back, and the thread's entry goes with its last.
+        let mut out = Vec::new();
+        g.record(1, [0; 16], &api_rec(1, 5, 307, 8_000, 9_500), &mut out, &mut c.pool());
+        assert_eq!(c.used, 99 * (RECENT_COST + THREAD_COST) + ORIGIN_COST);
+        // Activity with no API record waits while there is room, then goes out unjoined.
+        let room = 100 * (RECENT_COST + THREAD_COST) - c.used;
+        let fit = room / (PENDING_COST + ORDER_COST);
+        for i in 0..fit + 3 {
+            g.record(1, [0; 16], &kernel_rec(100 + i as u32, 10, 20), &mut out, &mut c.pool());
+        }
+        assert!(c.used <= 100 * (RECENT_COST + THREAD_COST));
+        assert_eq!(
+            c.evicted - 3901,
+            g.stats.unjoined,
+            "every record sent out early is counted"
+        );
+        assert!(g.stats.unjoined > 0);
+        // Exit: everything is given back.
+        g.expire(1, [0; 16], u64::MAX, &mut out, &mut c.pool());
+        g.release(&mut c.pool());
+        assert_eq!((c.used, g.held()), (0, 0));
     }
 
     #[test]
     fn unmatched_activity_ages_out_counted() {
         let mut g = GpuState::default();
+        let mut c = Counts::default();
         let mut out = Vec::new();
-        g.record(1, [0; 16], &kernel_rec(9, 100, 200), &mut out);
-        g.expire(1, [0; 16], 50, &mut out);
+        g.record(1, [0; 16], &kernel_rec(9, 100, 200), &mut out, &mut c.pool());
+        g.expire(1, [0; 16], 50, &mut out, &mut c.pool());
         assert!(out.is_empty(), "not old enough");
-        g.expire(1, [0; 16], 101, &mut out);
+        g.expire(1, [0; 16], 101, &mut out, &mut c.pool());
         assert_eq!(out.len(), 1);
         assert!(out[0].origin.is_none());
         assert_eq!((g.stats.joined, g.stats.unjoined), (0, 1));
         // An API record whose call the uprobes never saw: joined to nothing, counted.
-        g.record(1, [0; 16], &api_rec(3, 7, 307, 1, 2), &mut out);
+        g.record(1, [0; 16], &api_rec(3, 7, 307, 1, 2), &mut out, &mut c.pool());
         assert_eq!(g.stats.api_unmatched, 1);
     }
 
     #[test]
     fn status_changes_are_reported_once() {
         let mut g = GpuState::default();
+        let mut c = Counts::default();
         let mut out = Vec::new();
         let mut st = GpuRecord {
             kind: GpuRecordKind::Status as u32,
@@ -687,8 +983,8 @@ mod tests {
         };
         st.aux[status_aux::STATE] = CuptiState::Busy as u64;
         st.aux[status_aux::CUPTI_RESULT] = 39;
-        let s = g.record(1, [0; 16], &st, &mut out).expect("changed");
+        let s = g.record(1, [0; 16], &st, &mut out, &mut c.pool()).expect("changed");
         assert_eq!((s.state, s.cupti_result), (Some(CuptiState::Busy), 39));
-        assert_eq!(g.record(1, [0; 16], &st, &mut out), None);
+        assert_eq!(g.record(1, [0; 16], &st, &mut out, &mut c.pool()), None);
     }
 }

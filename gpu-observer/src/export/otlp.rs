@@ -56,6 +56,25 @@ const TOP_KERNELS: usize = 20;
 const BATCH: usize = 512;
 /// Ioctls held per thread until the call they were made in returns.
 const IOCTLS_PER_THREAD: usize = 64;
+/// Ioctls held over all threads: a span with its attributes is about 1 KiB, so thousands of
+/// threads blocked inside calls cannot make this grow past ~4 MiB. Past it an ioctl goes out
+/// at once under its window's root (`ioctls_unparented`).
+const IOCTLS_PENDING: usize = 4096;
+/// Trace windows open at once (one per process with recent events). Past it the oldest window
+/// is closed early (`windows_closed_early`): its process's next span opens a new trace.
+const MAX_WINDOWS: usize = 4096;
+/// Distinct kernel names remembered for the GPU-time histogram's labels, and their bytes;
+/// kernels past either are labelled `other`.
+const KERNEL_LABELS: usize = 4096;
+const KERNEL_LABEL_BYTES: usize = 256 << 10;
+/// The longest command line kept as `process.command_line` (bytes read from
+/// /proc/PID/cmdline); longer ones are cut, end with `…` and carry
+/// `gpu_observer.command_line_truncated`.
+pub const MAX_COMMAND_LINE: usize = 4096;
+/// Process attribute sets cached, and their bytes; past either the cache is emptied (they are
+/// read again from /proc when next needed).
+const PROC_ATTRS_ENTRIES: usize = 4096;
+const PROC_ATTRS_BYTES: usize = 4 << 20;
 
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -85,6 +104,11 @@ pub struct Counters {
     pub trace_failures: AtomicU64,
     pub metric_exports: AtomicU64,
     pub metric_failures: AtomicU64,
+    /// Ioctl spans sent under their window's root, not their call, because the per-thread
+    /// ([`IOCTLS_PER_THREAD`]) or global ([`IOCTLS_PENDING`]) wait was full.
+    pub ioctls_unparented: AtomicU64,
+    /// Trace windows closed before their interval ended because [`MAX_WINDOWS`] were open.
+    pub windows_closed_early: AtomicU64,
 }
 
 /// What the reader thread hands over.
@@ -150,6 +174,8 @@ impl Counters {
             "trace_export_failures": g(&self.trace_failures),
             "metric_exports": g(&self.metric_exports),
             "metric_export_failures": g(&self.metric_failures),
+            "ioctls_unparented": g(&self.ioctls_unparented),
+            "windows_closed_early": g(&self.windows_closed_early),
         })
     }
 }
@@ -278,6 +304,8 @@ fn container_id(cgroup: &str) -> Option<String> {
 /// computed once per pid; shared by the span thread and the metric callbacks.
 pub struct ProcAttrs {
     cache: HashMap<u32, Arc<Vec<KeyValue>>>,
+    /// Bytes of the strings in `cache` (about).
+    bytes: usize,
     command_line: bool,
 }
 
@@ -287,20 +315,28 @@ impl ProcAttrs {
     pub fn new(command_line: bool) -> SharedProcAttrs {
         Arc::new(std::sync::Mutex::new(Self {
             cache: HashMap::new(),
+            bytes: 0,
             command_line,
         }))
     }
 
     pub fn forget(&mut self, pid: u32) {
-        self.cache.remove(&pid);
+        if let Some(v) = self.cache.remove(&pid) {
+            self.bytes = self.bytes.saturating_sub(attrs_bytes(&v));
+        }
     }
 
     pub fn of(&mut self, pid: u32, comm: &str) -> Arc<Vec<KeyValue>> {
-        if self.cache.len() > 4096 {
-            self.cache.clear();
+        if let Some(v) = self.cache.get(&pid) {
+            return v.clone();
+        }
+        if self.cache.len() >= PROC_ATTRS_ENTRIES || self.bytes >= PROC_ATTRS_BYTES {
+            self.cache = HashMap::new();
+            self.bytes = 0;
         }
         let cl = self.command_line;
-        self.cache
+        let v = self
+            .cache
             .entry(pid)
             .or_insert_with(|| {
                 let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
@@ -311,13 +347,11 @@ impl ProcAttrs {
                     KeyValue::new("process.pid", i64::from(pid)),
                     KeyValue::new("process.executable.name", exe),
                 ];
-                if cl && let Ok(c) = std::fs::read(format!("/proc/{pid}/cmdline")) {
-                    let s: Vec<String> = c
-                        .split(|&b| b == 0)
-                        .filter(|a| !a.is_empty())
-                        .map(|a| String::from_utf8_lossy(a).into_owned())
-                        .collect();
-                    v.push(KeyValue::new("process.command_line", s.join(" ")));
+                if cl && let Some((line, truncated)) = command_line(Path::new(&format!("/proc/{pid}/cmdline"))) {
+                    v.push(KeyValue::new("process.command_line", line));
+                    if truncated {
+                        v.push(KeyValue::new("gpu_observer.command_line_truncated", true));
+                    }
                 }
                 v.extend(k8s_attributes(
                     pid,
@@ -326,8 +360,38 @@ impl ProcAttrs {
                 ));
                 Arc::new(v)
             })
-            .clone()
+            .clone();
+        self.bytes += attrs_bytes(&v);
+        v
     }
+}
+
+/// Bytes an attribute set holds (keys, values and their slots).
+fn attrs_bytes(v: &[KeyValue]) -> usize {
+    v.iter()
+        .map(|kv| 64 + kv.key.as_str().len() + kv.value.as_str().len())
+        .sum()
+}
+
+/// A process's command line, arguments joined by spaces, read up to [`MAX_COMMAND_LINE`]
+/// bytes (any process can make its own megabytes long); `true` when it was cut there.
+fn command_line(path: &Path) -> Option<(String, bool)> {
+    use std::io::Read;
+    let f = std::fs::File::open(path).ok()?;
+    let mut c = Vec::with_capacity(MAX_COMMAND_LINE + 1);
+    f.take(MAX_COMMAND_LINE as u64 + 1).read_to_end(&mut c).ok()?;
+    let truncated = c.len() > MAX_COMMAND_LINE;
+    c.truncate(MAX_COMMAND_LINE);
+    let args: Vec<String> = c
+        .split(|&b| b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let mut line = args.join(" ");
+    if truncated {
+        line.push('…');
+    }
+    Some((line, truncated))
 }
 
 /// A metric exporter that counts its exports and failures.
@@ -491,6 +555,8 @@ struct Spans {
     clock: Clock,
     windows: HashMap<u32, Window>,
     ioctls: HashMap<u32, VecDeque<PendingIoctl>>,
+    /// Ioctls in `ioctls`, all threads.
+    ioctls_pending: usize,
     batch: Vec<SpanData>,
     procs: SharedProcAttrs,
     scope: InstrumentationScope,
@@ -498,6 +564,8 @@ struct Spans {
     kernel_time: Histogram<f64>,
     /// GPU ns per kernel name, for the histogram's top-N label set.
     kernel_ns: HashMap<Arc<str>, u64>,
+    /// Bytes of the names in `kernel_ns`.
+    kernel_ns_bytes: usize,
     top: Vec<Arc<str>>,
     last_top: Instant,
 }
@@ -510,6 +578,7 @@ impl Spans {
             clock: Clock::now(),
             windows: HashMap::new(),
             ioctls: HashMap::new(),
+            ioctls_pending: 0,
             batch: Vec::with_capacity(BATCH),
             procs,
             scope: InstrumentationScope::builder("gpu-observer")
@@ -518,6 +587,7 @@ impl Spans {
             seq: 0,
             kernel_time,
             kernel_ns: HashMap::new(),
+            kernel_ns_bytes: 0,
             top: Vec::new(),
             last_top: Instant::now(),
         }
@@ -541,6 +611,7 @@ impl Spans {
         // Exit: ioctls whose call never returned go under their window's root, then every window
         // still open; one attempt each (the collector may be gone).
         let pending: Vec<PendingIoctl> = self.ioctls.drain().flat_map(|(_, q)| q).collect();
+        self.ioctls_pending = 0;
         for p in pending {
             self.orphan(p.pid, p.span);
         }
@@ -602,6 +673,13 @@ impl Spans {
             self.emit_root(pid, w);
         }
         if !self.windows.contains_key(&pid) {
+            if self.windows.len() >= MAX_WINDOWS
+                && let Some(oldest) = self.windows.iter().min_by_key(|(_, w)| w.start_ns).map(|(p, _)| *p)
+            {
+                let w = self.windows.remove(&oldest).expect("present");
+                self.emit_root(oldest, w);
+                self.counters.windows_closed_early.fetch_add(1, Ordering::Relaxed);
+            }
             let hi = self.ids();
             let lo = self.ids();
             let trace_id = TraceId::from_bytes(((u128::from(hi) << 64) | u128::from(lo)).to_be_bytes());
@@ -730,9 +808,16 @@ impl Spans {
                 self.extend_window(ev.pid, end);
                 // Parented when its call returns; a launch (entry-only) never does.
                 let span = self.span(trace, id, SpanId::INVALID, name, (ev.ts_ns, end), attrs);
-                if io.parent.is_some_and(|p| p.family.has_return_probe()) {
+                let waits = io.parent.is_some_and(|p| p.family.has_return_probe());
+                let room = self.ioctls_pending < IOCTLS_PENDING || self.ioctls.contains_key(&ev.tid);
+                if waits && !room {
+                    // Every thread's wait together is full: not parented, not lost.
+                    self.counters.ioctls_unparented.fetch_add(1, Ordering::Relaxed);
+                    self.orphan(ev.pid, span);
+                } else if waits {
                     let q = self.ioctls.entry(ev.tid).or_default();
-                    let old = if q.len() == IOCTLS_PER_THREAD {
+                    // The thread's own oldest makes room (its wait, or everyone's, is full).
+                    let old = if q.len() == IOCTLS_PER_THREAD || self.ioctls_pending >= IOCTLS_PENDING {
                         q.pop_front()
                     } else {
                         None
@@ -742,7 +827,10 @@ impl Spans {
                         ts_ns: ev.ts_ns,
                         span,
                     });
+                    self.ioctls_pending += 1;
                     if let Some(old) = old {
+                        self.ioctls_pending -= 1;
+                        self.counters.ioctls_unparented.fetch_add(1, Ordering::Relaxed);
                         self.orphan(old.pid, old.span);
                     }
                 } else {
@@ -828,8 +916,10 @@ impl Spans {
                 self.batch.push(span);
                 // Its ioctls: the ones of this thread inside [entry, return].
                 if let Some(mut q) = self.ioctls.remove(&ev.tid) {
+                    self.ioctls_pending -= q.len();
                     let (mine, rest): (Vec<_>, Vec<_>) =
                         q.drain(..).partition(|p| p.ts_ns >= ev.ts_ns && p.ts_ns <= end);
+                    self.ioctls_pending += rest.len();
                     // Threads with nothing pending hold no entry: the map stays as small as
                     // the set of threads inside a call.
                     if !rest.is_empty() {
@@ -863,7 +953,9 @@ impl Spans {
 
     fn drop_ioctls(&mut self, tid: u32, start: u64, end: u64) {
         if let Some(q) = self.ioctls.get_mut(&tid) {
+            let before = q.len();
             q.retain(|p| p.ts_ns < start || p.ts_ns > end);
+            self.ioctls_pending -= before - q.len();
             if q.is_empty() {
                 self.ioctls.remove(&tid);
             }
@@ -921,7 +1013,10 @@ impl Spans {
     fn record_kernel(&mut self, pid: u32, comm: &str, name: &str, ns: u64) {
         let key: Arc<str> = match self.kernel_ns.get_key_value(name) {
             Some((k, _)) => k.clone(),
-            None if self.kernel_ns.len() < 4096 => Arc::from(name),
+            None if self.kernel_ns.len() < KERNEL_LABELS && self.kernel_ns_bytes + name.len() <= KERNEL_LABEL_BYTES => {
+                self.kernel_ns_bytes += name.len();
+                Arc::from(name)
+            }
             None => Arc::from("other"),
         };
         *self.kernel_ns.entry(key.clone()).or_default() += ns;
@@ -1066,6 +1161,21 @@ mod tests {
         std::fs::write(procs.join("43/cgroup"), "0::/user.slice\n").unwrap();
         assert!(k8s_attributes(43, &procs, &logs).is_empty());
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn command_lines_are_cut_at_4_kib_and_marked() {
+        // A /proc/PID/cmdline as `sleep 30 aaaa…` writes it: the cut falls inside the long
+        // argument.
+        let f = std::env::temp_dir().join(format!("gpu-observer-cmdline-{}", std::process::id()));
+        std::fs::write(&f, format!("sleep\x0030\x00{}\x00", "a".repeat(100_000))).unwrap();
+        let (line, truncated) = command_line(&f).expect("cmdline");
+        assert!(truncated);
+        let want = format!("sleep 30 {}…", "a".repeat(MAX_COMMAND_LINE - "sleep 30 ".len()));
+        assert_eq!(line, want);
+        std::fs::write(&f, b"sleep\x0030\x00").unwrap();
+        assert_eq!(command_line(&f), Some(("sleep 30".to_string(), false)));
+        let _ = std::fs::remove_file(&f);
     }
 
     #[test]

@@ -267,13 +267,13 @@ fn devices_summary(out: &mut String, gpus: &HubState) {
 /// What the memory limit made the agent forget, as one line (None when nothing was).
 pub fn evicted_line(corr: &Correlator) -> Option<String> {
     let e = &corr.evicted;
-    if e.kernel_names + e.allocations + e.processes == 0 {
+    if e.kernel_names + e.allocations + e.processes + e.cupti_records == 0 {
         return None;
     }
     Some(format!(
-        "within --memory-limit-mb, {} kernel names, {} allocations and {} exited processes were not remembered \
-         (their launches are unnamed, their frees unsized); raise --memory-limit-mb to keep more",
-        e.kernel_names, e.allocations, e.processes
+        "within --memory-limit-mb, {} kernel names, {} allocations, {} exited processes and {} CUPTI join records were not remembered \
+         (their launches are unnamed, their frees unsized, their GPU activity unjoined); raise --memory-limit-mb to keep more",
+        e.kernel_names, e.allocations, e.processes, e.cupti_records
     ))
 }
 
