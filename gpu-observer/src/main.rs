@@ -336,12 +336,15 @@ async fn observe(cli: Cli) -> Result<i32> {
         o.shutdown(Duration::from_secs(5));
         let j = c.json();
         say(format_args!(
-            "OTLP: {} spans exported, {} dropped, {} sampled out; {} metric exports, {} failed",
+            "OTLP: {} spans exported, {} dropped, {} sampled out; {} metric exports, {} failed; \
+             {} ioctl spans not under their call and {} trace windows closed early (bounds)",
             j["spans_exported"],
             j["spans_dropped"],
             j["spans_sampled_out"],
             j["metric_exports"],
-            j["metric_export_failures"]
+            j["metric_export_failures"],
+            j["ioctls_unparented"],
+            j["windows_closed_early"]
         ));
         j
     });

@@ -42,6 +42,11 @@ const MAX_PENDING: usize = 131_072;
 pub const PENDING_AGE_NS: u64 = 5_000_000_000;
 /// How long a uprobe call waits for its API record.
 const RECENT_AGE_NS: u64 = 30_000_000_000;
+/// How long a correlation id is remembered after its API call ended, for activity records that
+/// come later (a graph's kernels, a kernel that ran long after a deep queue). Without an age a
+/// long-running process filled the whole table (hundreds of thousands of ids) over tens of
+/// minutes: the agent's memory grew all that time (the soak, docs/BENCHMARKS.md).
+const ORIGIN_AGE_NS: u64 = 60_000_000_000;
 /// Kernel names tracked for the per-process top list.
 const MAX_TOP: usize = 1024;
 /// CUPTI kernel names remembered per process.
@@ -367,6 +372,16 @@ impl GpuState {
     /// Drops waiting calls older than [`RECENT_AGE_NS`] before `now_ns`, in every thread (a
     /// thread that stopped calling would otherwise hold its calls until the process exits).
     pub fn age(&mut self, now_ns: u64, pool: &mut Pool) {
+        // Ids are in the order their API records came, which is the order of their calls' ends
+        // closely enough: stop at the first one young enough.
+        if let Some(before) = now_ns.checked_sub(ORIGIN_AGE_NS) {
+            while let Some(id) = self.origin_order.front() {
+                if self.origins.get(id).is_some_and(|o| o.api_end_ns >= before) {
+                    break;
+                }
+                self.forget_oldest_origin(pool);
+            }
+        }
         let Some(before) = now_ns.checked_sub(RECENT_AGE_NS) else {
             return;
         };
@@ -870,6 +885,42 @@ mod tests {
         assert_eq!(out[1].origin.as_ref().unwrap().launch_ts_ns, Some(1_000));
         assert_eq!((g.stats.joined, g.stats.unjoined, g.stats.kernel_ns), (2, 0, 4_000));
         assert!(!g.has_pending());
+    }
+
+    #[test]
+    fn correlation_ids_are_forgotten_a_minute_after_their_call() {
+        let mut g = GpuState::default();
+        let mut c = Counts::default();
+        let mut out = Vec::new();
+        let s = 1_000_000_000;
+        g.call(7, launch(s), &mut c.pool());
+        g.record(
+            1,
+            [0; 16],
+            &api_rec(1, 7, 307, s + 100, s + 200),
+            &mut out,
+            &mut c.pool(),
+        );
+        g.call(7, launch(40 * s), &mut c.pool());
+        g.record(
+            1,
+            [0; 16],
+            &api_rec(2, 7, 307, 40 * s + 100, 40 * s + 200),
+            &mut out,
+            &mut c.pool(),
+        );
+        // 59 s after the first call ended: both ids still known; a late kernel of id 1 joins.
+        g.age(s + 200 + ORIGIN_AGE_NS - 1, &mut c.pool());
+        g.record(1, [0; 16], &kernel_rec(1, 2 * s, 2 * s + 5), &mut out, &mut c.pool());
+        assert_eq!(out.pop().unwrap().origin.unwrap().launch_ts_ns, Some(s));
+        let held = c.used;
+        // Past a minute: id 1 is forgotten (its bytes given back), id 2 is not.
+        g.age(s + 201 + ORIGIN_AGE_NS, &mut c.pool());
+        assert_eq!(held - c.used, ORIGIN_COST);
+        assert!(!g.origins.contains_key(&1) && g.origins.contains_key(&2));
+        g.record(1, [0; 16], &kernel_rec(2, 41 * s, 41 * s + 5), &mut out, &mut c.pool());
+        assert_eq!(out.pop().unwrap().origin.unwrap().launch_ts_ns, Some(40 * s));
+        assert_eq!(c.evicted, 0, "ageing is not eviction");
     }
 
     #[test]
