@@ -288,8 +288,10 @@ fn control() {
         let now_observed = observed();
         if now_observed && !was_observed {
             inj.names_sent.lock().map(|mut n| n.clear()).ok();
-            start(inj);
+            // The device table first: a kernel record that reached the agent before it would
+            // have no occupancy (seen under load: a flush beat send_devices).
             send_devices();
+            start(inj);
             send_status(inj);
             last_status = Instant::now();
         } else if !now_observed && was_observed {
