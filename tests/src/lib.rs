@@ -89,6 +89,19 @@ pub fn fresh_lib(dir: &Path, which: &str) -> PathBuf {
     dst
 }
 
+/// The lines a pipe carries, collected on a thread as they come (bytes that are not UTF-8 are
+/// kept, replaced, so a test can still look for what should not be there).
+pub fn collect_lines(pipe: impl std::io::Read + Send + 'static) -> Arc<Mutex<Vec<String>>> {
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let sink = lines.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(pipe).split(b'\n').map_while(Result::ok) {
+            sink.lock().unwrap().push(String::from_utf8_lossy(&line).into_owned());
+        }
+    });
+    lines
+}
+
 /// The agent, writing JSON lines to a file.
 pub struct Agent {
     child: Child,
@@ -134,14 +147,7 @@ impl Agent {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn gpu-observer");
-        let stderr = Arc::new(Mutex::new(Vec::new()));
-        let lines = stderr.clone();
-        let pipe = child.stderr.take().unwrap();
-        std::thread::spawn(move || {
-            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                lines.lock().unwrap().push(line);
-            }
-        });
+        let stderr = collect_lines(child.stderr.take().unwrap());
         let agent = Agent { child, stderr, out };
         agent.wait_stderr("gpu-observer: ready", Duration::from_secs(60));
         agent
@@ -259,13 +265,20 @@ impl Workload {
     }
 
     pub fn start_with_env(env: &[(&str, &str)]) -> Workload {
-        let mut child = Command::new(fixtures().join("cuda_workload"))
-            .envs(env.iter().copied())
+        let mut cmd = Command::new(fixtures().join("cuda_workload"));
+        cmd.envs(env.iter().copied());
+        Self::spawn(cmd)
+    }
+
+    /// Any program that speaks the workload's protocol (`ready <pid>` first, then one reply
+    /// line per command): cuda_workload under `unshare`, the hostile_maps fixture, ….
+    pub fn spawn(mut cmd: Command) -> Workload {
+        let mut child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .expect("spawn cuda_workload");
+            .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
         let stdin = child.stdin.take().unwrap();
         let mut stdout = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
@@ -273,7 +286,7 @@ impl Workload {
         let pid = line
             .trim()
             .strip_prefix("ready ")
-            .expect("workload says ready")
+            .unwrap_or_else(|| panic!("{cmd:?} did not say `ready <pid>`: {line:?}"))
             .parse()
             .unwrap();
         Workload {

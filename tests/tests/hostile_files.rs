@@ -4,10 +4,9 @@
 //! -m`, as a user with user + mount namespaces could) and use tests/fixtures/hostile_maps.c.
 
 use std::{
-    io::{BufRead, BufReader, Write},
     os::unix::process::CommandExt,
     path::{Path, PathBuf},
-    process::{Child, ChildStdin, ChildStdout, Command, Stdio},
+    process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
@@ -82,74 +81,16 @@ fn user_dir(dir: &Path, name: &str) -> PathBuf {
     d
 }
 
-/// A process driven through stdin that says `ready <pid>` first.
-struct Driven {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    pid: u32,
-}
-
-impl Driven {
-    fn start(mut cmd: Command) -> Driven {
-        let mut child = cmd
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn");
-        let stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
-        let pid = line
-            .trim()
-            .strip_prefix("ready ")
-            .unwrap_or_else(|| panic!("no `ready`: {line:?}"))
-            .parse()
-            .unwrap();
-        Driven {
-            child,
-            stdin,
-            stdout,
-            pid,
-        }
-    }
-
-    /// One command of cuda_workload (tests/fixtures/README.md).
-    fn cmd(&mut self, line: &str) -> String {
-        writeln!(self.stdin, "{line}").unwrap();
-        self.stdin.flush().unwrap();
-        let mut reply = String::new();
-        self.stdout.read_line(&mut reply).unwrap();
-        assert!(reply.starts_with("ok"), "`{line}` → {reply:?}");
-        reply
-    }
-
-    fn exit(mut self) {
-        let _ = writeln!(self.stdin, "exit");
-        let _ = self.stdin.flush();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Driven {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// hostile_maps as the unprivileged user.
-fn hostile(args: &[&str]) -> Driven {
+fn hostile(args: &[&str]) -> Workload {
     let mut cmd = Command::new(fixtures().join("hostile_maps"));
     cmd.args(args).uid(NOBODY).gid(NOBODY);
-    Driven::start(cmd)
+    Workload::spawn(cmd)
 }
 
 /// cuda_workload in a mount namespace of its own, with `lib` loaded; None (and why, on
 /// stderr) if this kernel refuses mount namespaces.
-fn workload_in_own_namespace(lib: &Path) -> Option<Driven> {
+fn workload_in_own_namespace(lib: &Path) -> Option<Workload> {
     let probe = Command::new("unshare")
         .args(["-m", "--propagation", "private", "true"])
         .output()
@@ -164,7 +105,7 @@ fn workload_in_own_namespace(lib: &Path) -> Option<Driven> {
     let mut cmd = Command::new("unshare");
     cmd.args(["-m", "--propagation", "private"])
         .arg(fixtures().join("cuda_workload"));
-    let mut w = Driven::start(cmd);
+    let mut w = Workload::spawn(cmd);
     w.cmd(&format!("load {}", lib.display()));
     Some(w)
 }

@@ -13,7 +13,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use gpu_observer_tests::{Workload, fixtures, fresh_lib, observer_bin, require_root, scratch, serial};
+use gpu_observer_tests::{Workload, collect_lines, fixtures, fresh_lib, observer_bin, require_root, scratch, serial};
 
 /// An observer started with the caller's stdout, its stderr collected line by line.
 struct Observer {
@@ -35,14 +35,7 @@ impl Observer {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn gpu-observer");
-        let stderr = Arc::new(Mutex::new(Vec::new()));
-        let lines = stderr.clone();
-        let pipe = child.stderr.take().unwrap();
-        std::thread::spawn(move || {
-            for line in BufReader::new(pipe).split(b'\n').map_while(Result::ok) {
-                lines.lock().unwrap().push(String::from_utf8_lossy(&line).into_owned());
-            }
-        });
+        let stderr = collect_lines(child.stderr.take().unwrap());
         Observer { child, stderr }
     }
 
