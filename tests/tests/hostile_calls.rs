@@ -11,6 +11,9 @@ use std::{
 use gpu_observer_tests::*;
 use serde_json::Value;
 
+/// The flood tests' memory limit for the agent, in MB.
+const LIMIT_MB: u64 = 64;
+
 /// Issue 10 item 5: copies left by longjmp (the fake library's unwind hook) never return. Each
 /// is reported once, flagged `abandoned`, and every later call on the thread — from the same
 /// call site, from another site of the same frame, from an outer frame — is seen, none taken
@@ -113,7 +116,6 @@ fn vm_hwm_kb(pid: u32) -> u64 {
 fn memory_stays_under_the_limit_under_floods_of_names_and_allocations() {
     let _g = serial();
     require_root();
-    const LIMIT_MB: u64 = 64;
     const NAMES: u64 = 300_000;
     const NAME_LEN: u64 = 1000;
     const ALLOCS: u64 = 2_000_000;
@@ -122,21 +124,11 @@ fn memory_stays_under_the_limit_under_floods_of_names_and_allocations() {
     let pid = w.pid;
     // Every event line goes through a pipe (a file would grow by gigabytes); only the lines
     // this test reads are kept. The limit comes from the environment (same as the flag).
-    let mut child = Command::new(observer_bin())
-        .args(["--format", "jsonl", "--output", "/dev/stdout", "--interval-ms", "200"])
-        .args(["--pid", &pid.to_string()])
-        .env("GPU_OBSERVER_MEMORY_LIMIT_MB", LIMIT_MB.to_string())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn gpu-observer");
+    let (mut child, stderr) = limited_agent(pid);
     let agent_pid = child.id();
     let kept: Arc<Mutex<Vec<Value>>> = Arc::default();
-    let stderr: Arc<Mutex<Vec<String>>> = Arc::default();
     let out = child.stdout.take().unwrap();
-    let err = child.stderr.take().unwrap();
-    let (k, e) = (kept.clone(), stderr.clone());
+    let k = kept.clone();
     let reader = std::thread::spawn(move || {
         for line in BufReader::new(out).lines().map_while(Result::ok) {
             if line.contains("\"type\":\"summary\"") || line.contains("\"type\":\"leak\"") {
@@ -144,22 +136,7 @@ fn memory_stays_under_the_limit_under_floods_of_names_and_allocations() {
             }
         }
     });
-    std::thread::spawn(move || {
-        for line in BufReader::new(err).lines().map_while(Result::ok) {
-            e.lock().unwrap().push(line);
-        }
-    });
-    let wait_for = |what: &str, ok: &dyn Fn() -> bool, secs: u64| {
-        let start = Instant::now();
-        while !ok() {
-            assert!(
-                start.elapsed() < Duration::from_secs(secs),
-                "no {what} within {secs} s; stderr:\n{}",
-                stderr.lock().unwrap().join("\n")
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    };
+    let wait_for = |what: &str, ok: &dyn Fn() -> bool, secs: u64| wait_for(&stderr, what, ok, secs);
     wait_for(
         "`attached`",
         &|| stderr.lock().unwrap().iter().any(|l| l.contains("attached")),
@@ -253,7 +230,6 @@ const ROUND_LAUNCHES: u64 = 8;
 fn memory_stays_under_the_limit_under_a_thread_flood_with_cupti() {
     let _g = serial();
     require_root();
-    const LIMIT_MB: u64 = 64;
     const THREADS: u64 = 4000;
     let dir = scratch("thread-flood");
     let injection = observer_bin().with_file_name("libgpu_observer_cupti.so");
@@ -270,23 +246,13 @@ fn memory_stays_under_the_limit_under_a_thread_flood_with_cupti() {
     let mut w = Workload::start_with_env(&env);
     w.cmd(&format!("load {}", lib.display()));
     let pid = w.pid;
-    let mut child = Command::new(observer_bin())
-        .args(["--format", "jsonl", "--output", "/dev/stdout", "--interval-ms", "200"])
-        .args(["--pid", &pid.to_string()])
-        .env("GPU_OBSERVER_MEMORY_LIMIT_MB", LIMIT_MB.to_string())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn gpu-observer");
+    let (mut child, stderr) = limited_agent(pid);
     let agent_pid = child.id();
     // Summary lines are kept; GPU lines only counted (there are hundreds of thousands).
     let kept: Arc<Mutex<Vec<Value>>> = Arc::default();
     let gpu_lines: Arc<Mutex<u64>> = Arc::default();
-    let stderr: Arc<Mutex<Vec<String>>> = Arc::default();
     let out = child.stdout.take().unwrap();
-    let err = child.stderr.take().unwrap();
-    let (k, g, e) = (kept.clone(), gpu_lines.clone(), stderr.clone());
+    let (k, g) = (kept.clone(), gpu_lines.clone());
     let reader = std::thread::spawn(move || {
         for line in BufReader::new(out).lines().map_while(Result::ok) {
             if line.contains("\"type\":\"summary\"") {
@@ -296,22 +262,7 @@ fn memory_stays_under_the_limit_under_a_thread_flood_with_cupti() {
             }
         }
     });
-    std::thread::spawn(move || {
-        for line in BufReader::new(err).lines().map_while(Result::ok) {
-            e.lock().unwrap().push(line);
-        }
-    });
-    let wait_for = |what: &str, ok: &dyn Fn() -> bool, secs: u64| {
-        let start = Instant::now();
-        while !ok() {
-            assert!(
-                start.elapsed() < Duration::from_secs(secs),
-                "no {what} within {secs} s; stderr:\n{}",
-                stderr.lock().unwrap().join("\n")
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    };
+    let wait_for = |what: &str, ok: &dyn Fn() -> bool, secs: u64| wait_for(&stderr, what, ok, secs);
     let said = |s: &str| stderr.lock().unwrap().iter().any(|l| l.contains(s));
     wait_for("`attached`", &|| said("attached"), 30);
     w.cmd("init");
@@ -388,4 +339,33 @@ fn wait_rusage(pid: u32, timeout: Duration) -> (u64, i32) {
     done.store(true, std::sync::atomic::Ordering::Relaxed);
     assert_eq!(r, pid as i32, "wait4: {}", std::io::Error::last_os_error());
     (ru.ru_maxrss as u64, status)
+}
+
+/// The agent on `pid` under the test's memory limit (from the environment, as the flag), its
+/// JSON lines on a pipe (a file would grow by gigabytes), its stderr collected.
+fn limited_agent(pid: u32) -> (std::process::Child, Arc<Mutex<Vec<String>>>) {
+    let mut child = Command::new(observer_bin())
+        .args(["--format", "jsonl", "--output", "/dev/stdout", "--interval-ms", "200"])
+        .args(["--pid", &pid.to_string()])
+        .env("GPU_OBSERVER_MEMORY_LIMIT_MB", LIMIT_MB.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn gpu-observer");
+    let stderr = collect_lines(child.stderr.take().unwrap());
+    (child, stderr)
+}
+
+/// Waits up to `secs` for `ok`, failing with the agent's stderr.
+fn wait_for(stderr: &Mutex<Vec<String>>, what: &str, ok: &dyn Fn() -> bool, secs: u64) {
+    let start = Instant::now();
+    while !ok() {
+        assert!(
+            start.elapsed() < Duration::from_secs(secs),
+            "no {what} within {secs} s; stderr:\n{}",
+            stderr.lock().unwrap().join("\n")
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
