@@ -546,7 +546,7 @@ fn drops_in(line: &str) -> Option<u64> {
 }
 
 /// What the agent holds now.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 struct Sample {
     rss_kib: u64,
     fds: u64,
@@ -590,6 +590,7 @@ fn clock_ticks() -> f64 {
 }
 
 /// One minute's line.
+#[derive(Default)]
 struct Row {
     minute: u64,
     elapsed_s: f64,
@@ -604,35 +605,29 @@ struct Row {
 }
 
 impl Row {
-    const CSV_HEADER: &'static str = "minute,elapsed_s,rss_kib,fds,bpf_links,agent_cpu_pct,processes_finished,calls,captured,dropped_so_far,accounting,pids_off,gpu_expected,gpu_captured,foreign_lines,close_ms,settle_ms";
+    /// The CSV header: the keys of [`Row::json`], in order.
+    fn csv_header() -> String {
+        Self::default()
+            .json()
+            .as_object()
+            .map(|o| o.keys().cloned().collect::<Vec<_>>().join(","))
+            .unwrap_or_default()
+    }
 
+    /// One CSV line: the values of [`Row::json`], in the header's order.
     fn csv(&self) -> String {
-        format!(
-            "{},{:.1},{},{},{},{:.1},{},{},{},{},{},{},{},{},{},{},{}",
-            self.minute,
-            self.elapsed_s,
-            self.s.rss_kib,
-            self.s.fds,
-            self.s.links,
-            self.cpu_pct,
-            self.processes,
-            self.t.calls,
-            self.t.captured,
-            self.dropped,
-            self.accounting,
-            self.t.pids_off,
-            self.t.gpu_expected,
-            self.t.gpu_captured,
-            self.t.foreign,
-            self.close_ms,
-            self.settle_ms
-        )
+        let values = self.json().as_object().cloned().unwrap_or_default();
+        values
+            .values()
+            .map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_string))
+            .collect::<Vec<_>>()
+            .join(",")
     }
 
     fn json(&self) -> Value {
         json!({
-            "minute": self.minute, "elapsed_s": self.elapsed_s, "rss_kib": self.s.rss_kib,
-            "fds": self.s.fds, "bpf_links": self.s.links, "agent_cpu_pct": self.cpu_pct,
+            "minute": self.minute, "elapsed_s": (self.elapsed_s * 10.0).round() / 10.0, "rss_kib": self.s.rss_kib,
+            "fds": self.s.fds, "bpf_links": self.s.links, "agent_cpu_pct": (self.cpu_pct * 10.0).round() / 10.0,
             "processes_finished": self.processes, "calls": self.t.calls, "captured": self.t.captured,
             "dropped_so_far": self.dropped, "accounting": self.accounting, "pids_off": self.t.pids_off,
             "gpu_expected": self.t.gpu_expected, "gpu_captured": self.t.gpu_captured,
@@ -811,7 +806,7 @@ pub fn soak(o: Options) -> Result<()> {
     }
 
     let mut csv = fs::File::create(out.join("soak.csv"))?;
-    writeln!(csv, "{}", Row::CSV_HEADER)?;
+    writeln!(csv, "{}", Row::csv_header())?;
     let minute = Duration::from_secs(o.minute_secs);
     let tick = clock_ticks();
     let start = Instant::now();
@@ -1055,6 +1050,21 @@ pub fn soak(o: Options) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_csv_is_the_report_rows_columns_in_order() {
+        assert_eq!(
+            Row::csv_header(),
+            "minute,elapsed_s,rss_kib,fds,bpf_links,agent_cpu_pct,processes_finished,calls,captured,dropped_so_far,accounting,pids_off,gpu_expected,gpu_captured,foreign_lines,close_ms,settle_ms"
+        );
+        let row = Row {
+            minute: 3,
+            elapsed_s: 180.04,
+            accounting: "exact",
+            ..Row::default()
+        };
+        assert_eq!(row.csv(), "3,180.0,0,0,0,0.0,0,0,0,0,exact,0,0,0,0,0,0");
+    }
 
     #[test]
     fn the_drop_warning_gives_its_running_total() {
