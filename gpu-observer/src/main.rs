@@ -40,7 +40,7 @@ fn main() {
         std::process::exit(match export::devices::print(&cli) {
             Ok(()) => 0,
             Err(e) => {
-                eprintln!("gpu-observer: error: {}", export::text::message(&format!("{e:#}")));
+                say(format_args!("error: {e:#}"));
                 1
             }
         });
@@ -55,7 +55,7 @@ fn main() {
     match rt.block_on(observe(cli)) {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("gpu-observer: error: {}", export::text::message(&format!("{e:#}")));
+            say(format_args!("error: {e:#}"));
             std::process::exit(1);
         }
     }
