@@ -393,8 +393,8 @@ async fn observe(cli: Cli) -> Result<i32> {
         }
         output_failed = true;
     }
-    if let Some(line) = terminal::evicted_line(&corr) {
-        say(format_args!("warning: {line}"));
+    for line in terminal::evicted_lines(&corr) {
+        say(line);
     }
     if output_failed {
         // The summary still reaches the person: on stderr.

@@ -57,7 +57,7 @@ impl LiveView {
                 ""
             }
         );
-        if let Some(line) = evicted_line(corr) {
+        for line in evicted_lines(corr) {
             let _ = writeln!(out, "{line}");
         }
         devices_now(&mut out, gpus);
@@ -263,20 +263,29 @@ fn devices_summary(out: &mut String, gpus: &HubState) {
     }
 }
 
-/// Unfreed allocations of every process (SIGUSR1).
-/// What the memory limit made the agent forget, as one line (None when nothing was).
-pub fn evicted_line(corr: &Correlator) -> Option<String> {
+/// What the memory limit made the agent forget (a warning: data is missing), and how many
+/// exited processes the summary no longer lists (a note: by design), one line each.
+pub fn evicted_lines(corr: &Correlator) -> Vec<String> {
     let e = &corr.evicted;
-    if e.kernel_names + e.allocations + e.processes + e.cupti_records == 0 {
-        return None;
+    let mut parts = Vec::new();
+    if e.kernel_names + e.allocations + e.cupti_records > 0 {
+        parts.push(format!(
+            "warning: within --memory-limit-mb, {} kernel names, {} allocations and {} CUPTI join records were not remembered \
+             (their launches are unnamed, their frees unsized, their GPU activity unjoined); raise --memory-limit-mb to keep more",
+            e.kernel_names, e.allocations, e.cupti_records
+        ));
     }
-    Some(format!(
-        "within --memory-limit-mb, {} kernel names, {} allocations, {} exited processes and {} CUPTI join records were not remembered \
-         (their launches are unnamed, their frees unsized, their GPU activity unjoined); raise --memory-limit-mb to keep more",
-        e.kernel_names, e.allocations, e.processes, e.cupti_records
-    ))
+    if e.processes > 0 {
+        // Not a shortage: the summary keeps the latest exited processes only (correlate.rs).
+        parts.push(format!(
+            "note: the summary lists the latest {} exited processes; {} earlier ones are in the totals only",
+            corr.budget.exited, e.processes
+        ));
+    }
+    parts
 }
 
+/// Unfreed allocations of every process (SIGUSR1).
 pub fn leak_report(corr: &Correlator) -> String {
     let mut out = String::from("gpu-observer: allocations not freed\n");
     for p in corr.sorted() {
@@ -316,8 +325,8 @@ pub fn final_summary(corr: &Correlator, gpus: &HubState, drops: &Drops, wall_ns:
             drops.total
         );
     }
-    if let Some(line) = evicted_line(corr) {
-        let _ = writeln!(out, "  WARNING: {line}");
+    for line in evicted_lines(corr) {
+        let _ = writeln!(out, "  {line}");
     }
     for p in corr.sorted() {
         let s = &p.stats;
