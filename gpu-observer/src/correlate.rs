@@ -360,6 +360,11 @@ impl Process {
         if self.exited {
             return self.exit_leaks.clone();
         }
+        self.live_leaks()
+    }
+
+    /// What the live allocations add up to, by entry point and memory kind.
+    fn live_leaks(&self) -> Vec<Leak> {
         let mut by: BTreeMap<(&'static str, u8), Leak> = BTreeMap::new();
         for a in self.live.values() {
             let l = by.entry((a.api, a.mem as u8)).or_insert(Leak {
@@ -389,12 +394,7 @@ impl Process {
 
     /// At exit: sums what was never freed and releases the per-handle tables.
     fn release(&mut self, used: &mut Used) {
-        self.exit_leaks = {
-            let exited = std::mem::replace(&mut self.exited, false);
-            let l = self.leaks();
-            self.exited = exited;
-            l
-        };
+        self.exit_leaks = self.live_leaks();
         used.name_bytes -= self.names.values().map(|n| name_cost(n)).sum::<u64>();
         used.allocs -= self.live.len() as u64;
         self.names = HashMap::new();
