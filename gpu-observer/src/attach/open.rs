@@ -207,16 +207,7 @@ pub fn lookup_in_root(root: BorrowedFd<'_>, path: &[u8], use_openat2: bool) -> i
 /// `expected_ino`: the inode number the mapping has, when the file comes from a mapping.
 fn open_checked(o_path: OwnedFd, shown: &str, expected_ino: Option<u64>) -> Result<Opened, Refused> {
     let st = fstat(o_path.as_fd()).map_err(|e| Refused::new(Reason::Unreachable, format!("{shown}: {e}")))?;
-    let kind = match file_type(st.st_mode) {
-        libc::S_IFREG => None,
-        libc::S_IFIFO => Some("a FIFO (named pipe)"),
-        libc::S_IFCHR => Some("a character device"),
-        libc::S_IFBLK => Some("a block device"),
-        libc::S_IFSOCK => Some("a socket"),
-        libc::S_IFDIR => Some("a directory"),
-        _ => Some("not a regular file"),
-    };
-    if let Some(kind) = kind {
+    if let Some(kind) = not_regular(st.st_mode) {
         return Err(Refused::new(
             Reason::NotRegularFile,
             format!("{shown} is {kind}, not a library file"),
@@ -307,24 +298,21 @@ pub fn open_host(path: &Path) -> Result<Opened, Refused> {
 /// What a path is, for a message (`--nvml-lib` given a FIFO): None for a regular file or a
 /// path that does not exist (its loader says why).
 pub fn not_a_file(path: &OsStr) -> Option<&'static str> {
-    let m = std::fs::metadata(path).ok()?;
-    use std::os::unix::fs::FileTypeExt;
-    let t = m.file_type();
-    Some(if t.is_file() {
-        return None;
-    } else if t.is_fifo() {
-        "a FIFO (named pipe)"
-    } else if t.is_char_device() {
-        "a character device"
-    } else if t.is_block_device() {
-        "a block device"
-    } else if t.is_socket() {
-        "a socket"
-    } else if t.is_dir() {
-        "a directory"
-    } else {
-        "not a regular file"
-    })
+    use std::os::unix::fs::MetadataExt;
+    not_regular(std::fs::metadata(path).ok()?.mode())
+}
+
+/// What a file of this mode is, when it is not a regular file (for the refusal's message).
+fn not_regular(mode: libc::mode_t) -> Option<&'static str> {
+    match file_type(mode) {
+        libc::S_IFREG => None,
+        libc::S_IFIFO => Some("a FIFO (named pipe)"),
+        libc::S_IFCHR => Some("a character device"),
+        libc::S_IFBLK => Some("a block device"),
+        libc::S_IFSOCK => Some("a socket"),
+        libc::S_IFDIR => Some("a directory"),
+        _ => Some("not a regular file"),
+    }
 }
 
 #[cfg(test)]
