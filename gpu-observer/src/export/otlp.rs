@@ -1053,30 +1053,31 @@ const ENDPOINT_VARS: [&str; 3] = [
     "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
 ];
 
+/// The collector endpoints given, with where each came from: the flag, then the standard
+/// variables that are set and not empty.
+fn endpoints_given(flag: Option<&str>) -> Vec<(String, String)> {
+    let vars = ENDPOINT_VARS.iter().filter_map(|v| {
+        std::env::var(v)
+            .ok()
+            .filter(|s| !s.is_empty())
+            .map(|s| (v.to_string(), s))
+    });
+    flag.map(|f| ("--otlp-endpoint".to_string(), f.to_string()))
+        .into_iter()
+        .chain(vars)
+        .collect()
+}
+
 /// Whether OTLP export was asked for: the flag, or the standard environment.
 pub fn wanted(endpoint: Option<&str>) -> bool {
-    endpoint.is_some()
-        || ENDPOINT_VARS
-            .iter()
-            .any(|v| std::env::var(v).is_ok_and(|s| !s.is_empty()))
+    !endpoints_given(endpoint).is_empty()
 }
 
 /// Checks every endpoint the exporters would use — the flag and the standard variables — at
 /// start-up, before anything is attached: the exporters' own parse errors come late and, inside
 /// the agent's runtime, used to end in a panic that hid them.
 pub fn check_endpoints(flag: Option<&str>) -> Result<()> {
-    let mut given: Vec<(String, String)> = Vec::new();
-    if let Some(f) = flag {
-        given.push(("--otlp-endpoint".into(), f.to_string()));
-    }
-    for v in ENDPOINT_VARS {
-        if let Ok(s) = std::env::var(v)
-            && !s.is_empty()
-        {
-            given.push((v.to_string(), s));
-        }
-    }
-    for (source, url) in given {
+    for (source, url) in endpoints_given(flag) {
         check_endpoint(&url).map_err(|why| {
             anyhow::anyhow!(
                 "{source} {url:?} is not a collector URL: {why}; give one like http://localhost:4317 (gRPC) or http://localhost:4318 (HTTP/protobuf)"
