@@ -7,6 +7,8 @@
 pub mod api;
 pub mod cupti;
 pub mod event;
+#[cfg(feature = "user")]
+mod names_of;
 
 /// Names of the maps and programs in the eBPF object; the agent looks them up by these.
 pub mod names {

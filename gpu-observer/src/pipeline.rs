@@ -1,163 +1,336 @@
-//! The reader thread: drains the ring buffer on a short timer (records are submitted without
-//! wakeups), decodes, correlates and writes JSON lines. Nothing here blocks the eBPF side: if
-//! this thread falls behind, the ring fills and the eBPF programs count what they drop.
+//! The reader: drains the ring buffer on a short timer (records are submitted without
+//! wakeups), decodes, correlates, hands the results to the sinks and publishes snapshots.
+//!
+//! [`Pipeline`] is the work, with no thread and no ring of its own: the reader thread
+//! ([`Reader`]) feeds it ring-buffer records, and replays, tests and the throughput benchmark
+//! feed it recorded ones. It owns the correlator outright; everything else reads the
+//! snapshots it publishes or asks over the request channel. Nothing here blocks the eBPF
+//! side: if this thread falls behind, the ring fills and the eBPF programs count what they drop.
 
 use std::{
-    io::Write,
     os::fd::AsRawFd,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::{Arc, mpsc},
     thread::JoinHandle,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
-use anyhow::Result;
+use anyhow::{Context, Result, anyhow};
 use aya::maps::{MapData, RingBuf};
 
 use crate::{
-    correlate::{
-        Correlator,
-        gpu::{Status, state_message},
-    },
+    clock::monotonic_ns,
+    correlate::{Correlator, CuptiChange, cupti_join::GpuActivity},
     decode::{Body, Event, decode},
-    export::{jsonl::JsonlWriter, otlp},
-    sample::Hub,
+    export::{LeakReport, Sink},
+    nvml::{self, Hub, LineReceiver},
+    snapshot::{AgentStats, Publisher, Snapshot},
 };
 
 /// How often the ring is drained when no wakeup comes (the eBPF side wakes us at half full).
 const POLL_INTERVAL: Duration = Duration::from_millis(10);
-const FLUSH_INTERVAL: Duration = Duration::from_millis(200);
-const BATCH: usize = 4096;
+const FLUSH_INTERVAL_NS: u64 = 200_000_000;
+/// How often processes whose memory changed get a `memory` line, and GPU records that waited
+/// too long for their launch's API record go out unjoined.
+const MEMORY_INTERVAL_NS: u64 = 1_000_000_000;
+const PUBLISH_INTERVAL_NS: u64 = crate::snapshot::INTERVAL.as_nanos() as u64;
+/// Records decoded before they are correlated and written together.
+pub const BATCH: usize = 4096;
 
-pub type Output = JsonlWriter<Box<dyn Write + Send>>;
+/// What a finished pipeline gives back: its sinks (for the summary) and the last snapshot.
+pub type Finished = (Vec<Box<dyn Sink>>, Arc<Snapshot>);
 
-/// How often processes whose memory changed get a `memory` line.
-const MEMORY_INTERVAL: Duration = Duration::from_secs(1);
-
-/// State shared between the reader and the main task.
-pub struct Shared {
-    pub corr: Mutex<Correlator>,
-    stop: AtomicBool,
-    /// Set by SIGUSR1: write a leak report for every process.
-    pub dump_leaks: AtomicBool,
-    /// NVML samples waiting to be written.
-    pub nvml: Arc<Hub>,
-    /// What the main task knows that the exporters report: drops by kind, attach failures.
-    pub agent: Mutex<AgentStats>,
-    /// Notified when the reader's output fails (a closed pipe, a full disk): the main task
-    /// stops observing at once instead of at the next signal.
-    pub output_failed: tokio::sync::Notify,
+/// What the main task asks of the reader.
+pub enum Request {
+    /// Write a leak report for every live process, and reply with a fresh snapshot.
+    DumpLeaks(tokio::sync::oneshot::Sender<Arc<Snapshot>>),
+    /// The latest drops and attach counts, for the next snapshots.
+    Agent(AgentStats),
+    /// Drain what is left, publish the last snapshot, and give the sinks back.
+    Stop,
 }
 
-#[derive(Default)]
-pub struct AgentStats {
-    pub drops: Vec<(&'static str, u64)>,
-    pub attach_failures: u64,
+/// decode → correlate → sinks, and the snapshots.
+pub struct Pipeline {
+    corr: Correlator,
+    sinks: Vec<Box<dyn Sink>>,
+    publisher: Publisher,
+    nvml: Arc<Hub>,
+    nvml_lines: Option<LineReceiver>,
+    agent: Arc<AgentStats>,
+    batch: Vec<Event>,
+    exited: Vec<u32>,
+    gpu: Vec<GpuActivity>,
+    changes: Vec<CuptiChange>,
+    decode_errors: u64,
+    last_flush: u64,
+    last_memory: u64,
+    last_publish: u64,
 }
 
-impl Shared {
-    pub fn new(corr: Correlator, nvml: Arc<Hub>) -> Self {
+impl Pipeline {
+    /// `nvml_lines`: the NVML samples to write (when a sink wants them).
+    pub fn new(
+        corr: Correlator,
+        sinks: Vec<Box<dyn Sink>>,
+        nvml: Arc<Hub>,
+        nvml_lines: Option<LineReceiver>,
+        publisher: Publisher,
+        now_ns: u64,
+    ) -> Self {
         Self {
-            corr: Mutex::new(corr),
+            corr,
+            sinks,
+            publisher,
             nvml,
-            agent: Mutex::new(AgentStats::default()),
-            stop: AtomicBool::new(false),
-            dump_leaks: AtomicBool::new(false),
-            output_failed: tokio::sync::Notify::new(),
+            nvml_lines,
+            agent: Arc::new(AgentStats::default()),
+            batch: Vec::with_capacity(BATCH),
+            exited: Vec::new(),
+            gpu: Vec::new(),
+            changes: Vec::new(),
+            decode_errors: 0,
+            last_flush: now_ns,
+            last_memory: now_ns,
+            last_publish: 0,
         }
+    }
+
+    /// One ring-buffer record; the batch is correlated and written when full.
+    pub fn record(&mut self, bytes: &[u8]) -> Result<()> {
+        match decode(bytes) {
+            Ok(ev) => self.batch.push(ev),
+            Err(_) => self.decode_errors += 1,
+        }
+        if self.batch.len() == BATCH {
+            self.end_batch()?;
+        }
+        Ok(())
+    }
+
+    /// Correlates the records decoded so far and hands them to the sinks.
+    pub fn end_batch(&mut self) -> Result<()> {
+        let corr = &mut self.corr;
+        corr.decode_errors += std::mem::take(&mut self.decode_errors);
+        for ev in &mut self.batch {
+            corr.observe(ev);
+            if matches!(ev.body, Body::ProcessExit) {
+                self.exited.push(ev.pid);
+            }
+        }
+        std::mem::swap(&mut self.gpu, &mut corr.gpu_out);
+        std::mem::swap(&mut self.changes, &mut corr.cupti_changes);
+        let now = if self.exited.is_empty() { 0 } else { monotonic_ns() };
+        for s in &mut self.sinks {
+            let describe = |s: &dyn Sink| format!("writing {} failed", s.describe());
+            (|| -> Result<()> {
+                for c in &self.changes {
+                    s.cupti_state(c)?;
+                }
+                for ev in &self.batch {
+                    s.event(ev)?;
+                }
+                for a in &self.gpu {
+                    s.gpu(a)?;
+                }
+                // A process that exited: what it never freed.
+                for pid in &self.exited {
+                    if let Some(p) = self.corr.procs.get(pid) {
+                        s.leaks(&LeakReport {
+                            ts_ns: now,
+                            pid: p.pid,
+                            comm: &p.comm,
+                            exited: p.exited,
+                            leaks: &p.leaks(),
+                        })?;
+                    }
+                }
+                Ok(())
+            })()
+            .with_context(|| describe(&**s))?;
+        }
+        self.changes.clear();
+        self.exited.clear();
+        self.batch.clear();
+        self.gpu.clear();
+        Ok(())
+    }
+
+    /// The timers: unjoined GPU records, memory lines, NVML samples, flushes, snapshots.
+    /// `stopping`: everything now (the end of the run).
+    pub fn tick(&mut self, now_ns: u64, stopping: bool) -> Result<()> {
+        let memory_due = stopping || now_ns.saturating_sub(self.last_memory) >= MEMORY_INTERVAL_NS;
+        if memory_due {
+            // GPU records that waited too long for their launch's API record go out unjoined
+            // (all of them at the end).
+            self.corr.expire_gpu(if stopping { u64::MAX } else { now_ns });
+            std::mem::swap(&mut self.gpu, &mut self.corr.gpu_out);
+            self.memory(now_ns, false)?;
+            self.last_memory = now_ns;
+            self.gpu.clear();
+        }
+        self.nvml_lines()?;
+        if stopping || now_ns.saturating_sub(self.last_flush) >= FLUSH_INTERVAL_NS {
+            for s in &mut self.sinks {
+                s.flush().with_context(|| format!("writing {} failed", s.describe()))?;
+            }
+            self.last_flush = now_ns;
+        }
+        if stopping || now_ns.saturating_sub(self.last_publish) >= PUBLISH_INTERVAL_NS {
+            self.publish(now_ns, stopping);
+        }
+        Ok(())
+    }
+
+    /// Memory lines of processes whose memory changed (and the GPU records in `self.gpu`);
+    /// with `leaks`, a leak report of every live process.
+    fn memory(&mut self, now_ns: u64, leaks: bool) -> Result<()> {
+        let samples = self.corr.memory_samples();
+        let live: Vec<(u32, &str, Vec<crate::correlate::Leak>)> = if leaks {
+            self.corr
+                .sorted()
+                .into_iter()
+                .filter(|p| !p.exited)
+                .map(|p| (p.pid, p.comm.as_str(), p.leaks()))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        for s in &mut self.sinks {
+            (|| -> Result<()> {
+                for a in &self.gpu {
+                    s.gpu(a)?;
+                }
+                for m in &samples {
+                    let comm = self.corr.procs.get(&m.pid).map_or("", |p| p.comm.as_str());
+                    s.memory(now_ns, m, comm)?;
+                }
+                for (pid, comm, l) in &live {
+                    s.leaks(&LeakReport {
+                        ts_ns: now_ns,
+                        pid: *pid,
+                        comm,
+                        exited: false,
+                        leaks: l,
+                    })?;
+                }
+                Ok(())
+            })()
+            .with_context(|| format!("writing {} failed", s.describe()))?;
+        }
+        Ok(())
+    }
+
+    fn nvml_lines(&mut self) -> Result<()> {
+        let Some(rx) = &self.nvml_lines else { return Ok(()) };
+        let mut lines = rx.try_iter().peekable();
+        if lines.peek().is_none() {
+            return Ok(());
+        }
+        let view = self.nvml.view();
+        for (line, comm) in lines {
+            for s in &mut self.sinks {
+                s.nvml(&line, comm.as_deref(), &view.devices)
+                    .with_context(|| format!("writing {} failed", s.describe()))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn publish(&mut self, now_ns: u64, last: bool) -> Arc<Snapshot> {
+        self.last_publish = now_ns;
+        self.publisher
+            .publish(&mut self.corr, self.nvml.view(), self.agent.clone(), now_ns, last)
+    }
+
+    /// A request from the main task; `true` for [`Request::Stop`].
+    pub fn request(&mut self, r: Request) -> Result<bool> {
+        match r {
+            Request::Stop => return Ok(true),
+            Request::Agent(a) => self.agent = Arc::new(a),
+            Request::DumpLeaks(reply) => {
+                let now = monotonic_ns();
+                self.end_batch()?;
+                self.memory(now, true)?;
+                self.last_memory = now;
+                // The main task may have stopped waiting: nothing to do then.
+                let _ = reply.send(self.publish(now, false));
+            }
+        }
+        Ok(false)
+    }
+
+    /// The end of the run: everything pending goes out, the last snapshot is published, and
+    /// the sinks come back for the summary.
+    pub fn finish(mut self, now_ns: u64) -> Result<Finished> {
+        self.end_batch()?;
+        self.tick(now_ns, true)?;
+        let last = self.publish(now_ns, true);
+        for s in &mut self.sinks {
+            s.close();
+        }
+        Ok((self.sinks, last))
+    }
+
+    /// Which sinks want NVML samples (the sampler only queues them then).
+    pub fn wants_nvml(sinks: &[Box<dyn Sink>]) -> bool {
+        sinks.iter().any(|s| s.wants_nvml())
     }
 }
 
-/// A clock's reading in ns.
-pub fn clock_ns(clock: libc::clockid_t) -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: valid timespec out-pointer.
-    unsafe { libc::clock_gettime(clock, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
-/// CLOCK_MONOTONIC in ns: the clock of `bpf_ktime_get_ns`, for lines the agent makes itself.
-pub fn monotonic_ns() -> u64 {
-    clock_ns(libc::CLOCK_MONOTONIC)
-}
-
-/// CLOCK_REALTIME in µs: the clock of NVML's per-process sample timestamps.
-pub fn realtime_us() -> u64 {
-    clock_ns(libc::CLOCK_REALTIME) / 1000
-}
-
+/// The reader thread and how to reach it.
 pub struct Reader {
-    shared: Arc<Shared>,
-    handle: JoinHandle<Result<Option<Output>>>,
+    requests: mpsc::Sender<Request>,
+    handle: JoinHandle<Result<Finished>>,
 }
 
 impl Reader {
-    pub fn spawn(
-        ring: RingBuf<MapData>,
-        shared: Arc<Shared>,
-        output: Option<Output>,
-        otlp: Option<otlp::Sender>,
-    ) -> Result<Self> {
-        let s = shared.clone();
+    /// Starts draining `ring` into `pipe`. `failed` is notified when a sink fails, so the main
+    /// task stops at once instead of at the next signal.
+    pub fn spawn(ring: RingBuf<MapData>, pipe: Pipeline, failed: Arc<tokio::sync::Notify>) -> Result<Self> {
+        let (requests, rx) = mpsc::channel();
         let handle = std::thread::Builder::new().name("ring-reader".into()).spawn(move || {
-            let r = run(ring, &s, output, otlp.as_ref());
+            let r = run(ring, pipe, &rx);
             if r.is_err() {
                 // A permit is stored if the main task is not waiting yet: never lost.
-                s.output_failed.notify_one();
+                failed.notify_one();
             }
             r
         })?;
-        Ok(Self { shared, handle })
+        Ok(Self { requests, handle })
     }
 
-    /// Stops after a last full drain, and gives the output back for the summary.
-    pub fn stop(self) -> Result<Option<Output>> {
-        self.shared.stop.store(true, Ordering::SeqCst);
-        self.handle
-            .join()
-            .map_err(|_| anyhow::anyhow!("ring reader thread panicked"))?
+    /// Sends a request; false when the reader has already stopped (its error comes at [`Self::stop`]).
+    pub fn ask(&self, r: Request) -> bool {
+        self.requests.send(r).is_ok()
+    }
+
+    /// Stops after a last full drain; gives the sinks back, with the last snapshot.
+    pub fn stop(self) -> Result<Finished> {
+        let _ = self.requests.send(Request::Stop);
+        self.handle.join().map_err(|_| anyhow!("ring reader thread panicked"))?
     }
 }
 
-/// Tells the user (stderr, and a `cupti` line) when a process's CUPTI state changes: GPU
-/// timestamps start flowing, or another profiler holds CUPTI and the process is observed with
-/// uprobes only.
-fn report_changes(changes: &[(u32, u64, String, Status)], output: &mut Option<Output>) -> Result<()> {
-    for (pid, ts, comm, status) in changes {
-        crate::say(format_args!(
-            "pid {pid} ({}): {}",
-            crate::export::text::Printable(comm),
-            state_message(status.state)
-        ));
-        if let Some(out) = output.as_mut() {
-            out.cupti(*pid, *ts, comm, status)?;
-        }
-    }
-    Ok(())
-}
-
-fn run(
-    mut ring: RingBuf<MapData>,
-    shared: &Shared,
-    mut output: Option<Output>,
-    otlp: Option<&otlp::Sender>,
-) -> Result<Option<Output>> {
+fn run(mut ring: RingBuf<MapData>, mut pipe: Pipeline, requests: &mpsc::Receiver<Request>) -> Result<Finished> {
     let fd = ring.as_raw_fd();
-    let mut batch: Vec<Event> = Vec::with_capacity(BATCH);
-    let mut decode_errors = 0u64;
-    let mut last_flush = Instant::now();
-    let mut last_memory = Instant::now();
-    let mut exited: Vec<u32> = Vec::new();
-    let mut gpu = Vec::new();
-    let mut changes = Vec::new();
-    let mut last_expire = Instant::now();
-    let mut nvml_lines = Vec::new();
-    let mut devices = Vec::new();
     loop {
-        // Read the flag before draining: whatever was submitted before stop() is drained below.
-        let stopping = shared.stop.load(Ordering::SeqCst);
+        // Requests before draining: whatever was submitted before a stop is drained below.
+        let mut stopping = false;
+        loop {
+            match requests.try_recv() {
+                Ok(r) => {
+                    if pipe.request(r)? {
+                        stopping = true;
+                        break;
+                    }
+                }
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    stopping = true;
+                    break;
+                }
+            }
+        }
         if !stopping {
             let mut pfd = libc::pollfd {
                 fd,
@@ -167,124 +340,23 @@ fn run(
             // SAFETY: one valid pollfd for the duration of the call.
             unsafe { libc::poll(&mut pfd, 1, POLL_INTERVAL.as_millis() as i32) };
         }
-        loop {
-            let mut drained = 0;
-            while let Some(item) = ring.next() {
-                match decode(&item) {
-                    Ok(ev) => batch.push(ev),
-                    Err(_) => decode_errors += 1,
-                }
-                drained += 1;
-                if batch.len() == BATCH {
-                    break;
-                }
-            }
-            if drained == 0 {
-                break;
-            }
-            {
-                let mut corr = shared.corr.lock().expect("correlator lock");
-                corr.decode_errors += std::mem::take(&mut decode_errors);
-                for ev in &mut batch {
-                    corr.observe(ev);
-                    if matches!(ev.body, Body::ProcessExit) {
-                        exited.push(ev.pid);
-                    }
-                }
-                std::mem::swap(&mut gpu, &mut corr.gpu_out);
-                std::mem::swap(&mut changes, &mut corr.cupti_changes);
-            }
-            report_changes(&changes, &mut output)?;
-            changes.clear();
-            if let Some(o) = otlp {
-                for ev in &batch {
-                    o.event(ev);
-                }
-                for a in &gpu {
-                    o.gpu(a);
-                }
-            }
-            if let Some(out) = output.as_mut() {
-                for ev in &batch {
-                    out.event(ev)?;
-                }
-                for a in &gpu {
-                    out.gpu(a)?;
-                }
-                // A process that exited: what it never freed.
-                if !exited.is_empty() {
-                    let corr = shared.corr.lock().expect("correlator lock");
-                    let now = monotonic_ns();
-                    for pid in &exited {
-                        if let Some(p) = corr.procs.get(pid) {
-                            out.leaks(now, p)?;
-                        }
-                    }
-                }
-            }
-            exited.clear();
-            batch.clear();
-            gpu.clear();
+        while let Some(item) = ring.next() {
+            pipe.record(&item)?;
         }
-        // GPU records that waited too long for their launch's API record go out unjoined
-        // (all of them at the end).
-        if stopping || last_expire.elapsed() >= MEMORY_INTERVAL {
-            {
-                let mut corr = shared.corr.lock().expect("correlator lock");
-                corr.expire_gpu(if stopping { u64::MAX } else { monotonic_ns() });
-                std::mem::swap(&mut gpu, &mut corr.gpu_out);
-            }
-            if let Some(out) = output.as_mut() {
-                for a in &gpu {
-                    out.gpu(a)?;
-                }
-            }
-            if let Some(o) = otlp {
-                for a in &gpu {
-                    o.gpu(a);
-                }
-            }
-            gpu.clear();
-            last_expire = Instant::now();
-        }
-        if let Some(out) = output.as_mut() {
-            let on_demand = shared.dump_leaks.swap(false, Ordering::SeqCst);
-            if on_demand || stopping || last_memory.elapsed() >= MEMORY_INTERVAL {
-                let mut corr = shared.corr.lock().expect("correlator lock");
-                let now = monotonic_ns();
-                for m in corr.memory_samples() {
-                    let comm = corr.procs.get(&m.pid).map(|p| p.comm.as_str()).unwrap_or("");
-                    out.memory(now, &m, comm)?;
-                }
-                if on_demand {
-                    for p in corr.sorted().into_iter().filter(|p| !p.exited) {
-                        out.leaks(now, p)?;
-                    }
-                }
-                last_memory = Instant::now();
-            }
-        }
-        if let Some(out) = output.as_mut() {
-            // Taken out under the lock, written without it: the sampler never waits on output.
-            {
-                let mut hub = shared.nvml.lock();
-                nvml_lines.extend(hub.pending.drain(..));
-                if devices.len() != hub.devices.len() {
-                    devices = hub.devices.clone();
-                }
-            }
-            for (line, comm) in nvml_lines.drain(..) {
-                out.nvml(&line, comm.as_deref(), &devices)?;
-            }
-        }
-        if let Some(out) = output.as_mut()
-            && (stopping || last_flush.elapsed() >= FLUSH_INTERVAL)
-        {
-            out.flush()?;
-            last_flush = Instant::now();
-        }
+        pipe.end_batch()?;
         if stopping {
-            return Ok(output);
+            return pipe.finish(monotonic_ns());
         }
+        pipe.tick(monotonic_ns(), false)?;
+    }
+}
+
+/// The NVML channel for a run: samples are queued only when a sink writes them.
+pub fn nvml_channel(sinks: &[Box<dyn Sink>]) -> (Option<nvml::LineSender>, Option<LineReceiver>) {
+    if Pipeline::wants_nvml(sinks) {
+        let (tx, rx) = nvml::lines();
+        (Some(tx), Some(rx))
+    } else {
+        (None, None)
     }
 }

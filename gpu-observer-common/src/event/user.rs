@@ -22,14 +22,6 @@ pod!(
     IoctlStart
 );
 
-impl EventHeader {
-    /// The command name up to its first NUL.
-    pub fn comm_str(&self) -> &str {
-        let end = self.comm.iter().position(|&b| b == 0).unwrap_or(COMM_LEN);
-        core::str::from_utf8(&self.comm[..end]).unwrap_or("?")
-    }
-}
-
 /// Reads a `T` from the start of a ring-buffer record, if it is long enough.
 ///
 /// Records are only 8-byte aligned in the ring, so this copies with `read_unaligned`.

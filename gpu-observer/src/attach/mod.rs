@@ -403,8 +403,8 @@ impl Probes {
                 .ok_or_else(|| anyhow!("map DROPS missing"))?,
         )?;
         let mut drops = Drops::default();
-        for kind in 1..EventKind::COUNT {
-            let n: u64 = per_kind.get(&kind, 0)?.iter().sum();
+        for kind in EventKind::ALL {
+            let n: u64 = per_kind.get(&(kind as u32), 0)?.iter().sum();
             drops.by_kind.push((kind, n));
             drops.total += n;
         }
@@ -449,7 +449,7 @@ fn close_all(fds: Vec<std::os::fd::OwnedFd>) {
 #[derive(Clone, Debug, Default)]
 pub struct Drops {
     pub total: u64,
-    pub by_kind: Vec<(u32, u64)>,
+    pub by_kind: Vec<(EventKind, u64)>,
     pub by_pid: HashMap<u32, u64>,
 }
 

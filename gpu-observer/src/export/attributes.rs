@@ -3,7 +3,7 @@
 
 use gpu_observer_common::cupti::GpuRecordKind;
 
-use crate::correlate::gpu::{GpuActivity, copy_kind_name};
+use crate::correlate::cupti_join::{GpuActivity, copy_kind_name};
 
 /// An attribute value.
 #[derive(Clone, Debug, PartialEq)]
@@ -77,7 +77,7 @@ pub fn span_attributes(a: &GpuActivity, threshold_us: u64, is_slow: bool) -> Vec
                 ("gpu_transfer.duration_us", Value::Int(duration_us)),
                 (
                     "gpu_transfer.bandwidth_mbps",
-                    Value::Float(crate::export::bandwidth_mbps(r.bytes, a.duration_ns())),
+                    Value::Float(crate::rules::bandwidth_mbps(r.bytes, a.duration_ns())),
                 ),
                 ("gpu_transfer.is_slow", Value::Bool(is_slow)),
                 ("gpu_transfer.threshold_us", Value::Int(threshold_us as i64)),

@@ -6,11 +6,11 @@ use anyhow::{Context, Result, anyhow};
 
 use crate::{
     cli::{Cli, Format},
-    sample::{DeviceInfo, nvml},
+    nvml::{DeviceInfo, query},
 };
 
 pub fn print(cli: &Cli) -> Result<()> {
-    let lib = nvml::open(cli.nvml_lib.as_deref()).map_err(|why| anyhow!("NVML unavailable: {why}"))?;
+    let lib = query::open(cli.nvml_lib.as_deref()).map_err(|why| anyhow!("NVML unavailable: {why}"))?;
     let devices = lib.discover().map_err(|why| anyhow!("{why}"))?;
     let text = match cli.format {
         Format::Json | Format::Jsonl => serde_json::to_string_pretty(&devices)? + "\n",

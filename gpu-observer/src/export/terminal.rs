@@ -1,14 +1,15 @@
 //! The terminal view: a per-process table refreshed every second, and the final summary.
 
-use std::{collections::HashMap, fmt::Write as _};
+use std::{collections::HashMap, fmt::Write as _, sync::Arc};
 
-use gpu_observer_common::api::Direction;
+use gpu_observer_common::{api::Direction, cupti::CuptiState};
 
 use super::text::{Printable, printable};
 use crate::{
     attach::Drops,
-    correlate::{Correlator, Stats},
-    sample::{HubState, ProcUse, State},
+    correlate::Stats,
+    nvml::{ProcUse, State, View},
+    snapshot::{GpuView, ProcessView, Snapshot},
 };
 
 const MIB: f64 = 1024.0 * 1024.0;
@@ -16,7 +17,7 @@ const MIB: f64 = 1024.0 * 1024.0;
 /// Keeps the previous counters so each refresh shows rates over the last interval.
 #[derive(Default)]
 pub struct LiveView {
-    prev: HashMap<u32, Stats>,
+    prev: HashMap<u32, Arc<ProcessView>>,
     /// (kernels, kernel GPU ns) at the previous refresh, per process with CUPTI.
     prev_gpu: HashMap<u32, (u64, u64)>,
 }
@@ -36,20 +37,13 @@ fn human_bytes(b: u64) -> String {
 
 impl LiveView {
     /// Renders the table for an interval of `interval_s` seconds.
-    pub fn render(
-        &mut self,
-        corr: &Correlator,
-        gpus: &HubState,
-        drops: &Drops,
-        interval_s: f64,
-        elapsed_s: f64,
-    ) -> String {
+    pub fn render(&mut self, snap: &Snapshot, drops: &Drops, interval_s: f64, elapsed_s: f64) -> String {
         let mut out = String::new();
         let _ = writeln!(
             out,
             "gpu-observer — {:.0} s, {} events, {} dropped{}",
             elapsed_s,
-            corr.events,
+            snap.events,
             drops.total,
             if drops.total > 0 {
                 "  (ring buffer full: raise --ring-buffer-size)"
@@ -57,9 +51,10 @@ impl LiveView {
                 ""
             }
         );
-        for line in evicted_lines(corr) {
+        for line in evicted_lines(snap) {
             let _ = writeln!(out, "{line}");
         }
+        let gpus = &*snap.nvml;
         devices_now(&mut out, gpus);
         let _ = writeln!(
             out,
@@ -68,13 +63,13 @@ impl LiveView {
         );
         let mut next = HashMap::new();
         let mut next_gpu = HashMap::new();
-        for p in corr.sorted() {
+        let zero = Stats::default();
+        for p in &snap.procs {
             if p.exited {
                 continue;
             }
             let now = &p.stats;
-            let zero = Stats::default();
-            let before = self.prev.get(&p.pid).unwrap_or(&zero);
+            let before = self.prev.get(&p.pid).map_or(&zero, |v| &v.stats);
             let rate = |n: u64| n as f64 / interval_s;
             let dir = |d: Direction| {
                 let (a, b) = (now.copy(d), before.copy(d));
@@ -100,11 +95,11 @@ impl LiveView {
                 rate(now.ioctls.count - before.ioctls.count),
                 (now.ioctls.ns - before.ioctls.ns) as f64 / 1e6
             );
-            next.insert(p.pid, now.clone());
+            next.insert(p.pid, p.clone());
             if let Some(u) = gpus.procs.get(&p.pid) {
                 let _ = writeln!(out, "{:>8} {:<16} NVML: {}", "", "", process_use(u, true));
             }
-            if let Some(g) = p.gpu.as_deref() {
+            if let Some(g) = &p.gpu {
                 let (k, ns) = (g.stats.kernels, g.stats.kernel_ns);
                 let (pk, pns) = self.prev_gpu.get(&p.pid).copied().unwrap_or((0, 0));
                 let _ = writeln!(
@@ -112,16 +107,16 @@ impl LiveView {
                     "{:>8} {:<16} GPU: {} — {:.0} kernels/s, kernels busy {:.1}% of the interval, queue delay avg {:.1} µs",
                     "",
                     "",
-                    crate::correlate::gpu::state_name(g.status.state),
+                    CuptiState::name_of(g.status.state),
                     rate(k - pk),
                     (ns - pns) as f64 / (interval_s * 1e9) * 100.0,
-                    g.stats.queue_delay_ns.checked_div(g.stats.queue_delays).unwrap_or(0) as f64 / 1e3
+                    crate::rules::mean_ns(g.stats.queue_delay_ns, g.stats.queue_delays) as f64 / 1e3
                 );
                 next_gpu.insert(p.pid, (k, ns));
             }
         }
         self.prev_gpu = next_gpu;
-        if corr.procs.is_empty() {
+        if snap.procs.is_empty() {
             out.push_str("(no CUDA activity yet)\n");
         }
         self.prev = next;
@@ -140,7 +135,7 @@ fn shorten(s: &str, max: usize) -> String {
 }
 
 /// One line per GPU: its latest NVML sample.
-fn devices_now(out: &mut String, gpus: &HubState) {
+fn devices_now(out: &mut String, gpus: &View) {
     if gpus.state == State::Unavailable {
         let _ = writeln!(out, "NVML unavailable: {}", Printable(&gpus.message));
     }
@@ -207,7 +202,7 @@ fn process_use(u: &ProcUse, live: bool) -> String {
 }
 
 /// The devices over the whole run.
-fn devices_summary(out: &mut String, gpus: &HubState) {
+fn devices_summary(out: &mut String, gpus: &View) {
     match gpus.state {
         State::Unavailable => {
             let _ = writeln!(out, "\nNVML unavailable: {}", gpus.message);
@@ -215,7 +210,7 @@ fn devices_summary(out: &mut String, gpus: &HubState) {
         State::Off => {}
         State::Starting | State::Active => {
             for (d, t) in gpus.devices.iter().zip(&gpus.totals) {
-                let pct = |a: &crate::sample::Agg| {
+                let pct = |a: &crate::nvml::Agg| {
                     a.mean()
                         .map(|m| format!("{m:.1}% mean, {:.0}% max", a.max))
                         .unwrap_or_else(|| "-".into())
@@ -247,7 +242,7 @@ fn devices_summary(out: &mut String, gpus: &HubState) {
             let slowest = c
                 .stats
                 .iter()
-                .zip(crate::sample::QUERY_NAMES)
+                .zip(crate::nvml::QUERY_NAMES)
                 .max_by_key(|(s, _)| s.max_ns);
             if let Some((s, name)) = slowest.filter(|(s, _)| s.count > 0) {
                 let _ = writeln!(
@@ -265,8 +260,8 @@ fn devices_summary(out: &mut String, gpus: &HubState) {
 
 /// What the memory limit made the agent forget (a warning: data is missing), and how many
 /// exited processes the summary no longer lists (a note: by design), one line each.
-pub fn evicted_lines(corr: &Correlator) -> Vec<String> {
-    let e = &corr.evicted;
+pub fn evicted_lines(snap: &Snapshot) -> Vec<String> {
+    let e = &snap.evicted;
     let mut parts = Vec::new();
     if e.kernel_names + e.allocations + e.cupti_records > 0 {
         parts.push(format!(
@@ -279,17 +274,17 @@ pub fn evicted_lines(corr: &Correlator) -> Vec<String> {
         // Not a shortage: the summary keeps the latest exited processes only (correlate.rs).
         parts.push(format!(
             "note: the summary lists the latest {} exited processes; {} earlier ones are in the totals only",
-            corr.budget.exited, e.processes
+            snap.budget.exited, e.processes
         ));
     }
     parts
 }
 
 /// Unfreed allocations of every process (SIGUSR1).
-pub fn leak_report(corr: &Correlator) -> String {
+pub fn leak_report(snap: &Snapshot) -> String {
     let mut out = String::from("gpu-observer: allocations not freed\n");
-    for p in corr.sorted() {
-        for l in p.leaks() {
+    for p in &snap.procs {
+        for l in &p.leaks {
             let _ = writeln!(
                 out,
                 "  pid {:>7} {:<16} {:<28} {:>8} × {} ({}){}",
@@ -298,7 +293,7 @@ pub fn leak_report(corr: &Correlator) -> String {
                 l.api,
                 l.count,
                 human_bytes(l.bytes),
-                crate::correlate::mem_name(l.mem),
+                l.mem.name(),
                 if p.exited { ", process exited" } else { "" }
             );
         }
@@ -307,16 +302,17 @@ pub fn leak_report(corr: &Correlator) -> String {
 }
 
 /// The summary printed at exit.
-pub fn final_summary(corr: &Correlator, gpus: &HubState, drops: &Drops, wall_ns: u64) -> String {
+pub fn final_summary(snap: &Snapshot, drops: &Drops, wall_ns: u64) -> String {
+    let gpus = &*snap.nvml;
     let mut out = String::new();
     let wall_s = wall_ns as f64 / 1e9;
     let _ = writeln!(
         out,
         "gpu-observer summary: {:.1} s, {} events, {} dropped, {} processes",
         wall_s,
-        corr.events,
+        snap.events,
         drops.total,
-        corr.procs.len()
+        snap.procs.len()
     );
     if drops.total > 0 {
         let _ = writeln!(
@@ -325,10 +321,10 @@ pub fn final_summary(corr: &Correlator, gpus: &HubState, drops: &Drops, wall_ns:
             drops.total
         );
     }
-    for line in evicted_lines(corr) {
+    for line in evicted_lines(snap) {
         let _ = writeln!(out, "  {line}");
     }
-    for p in corr.sorted() {
+    for p in &snap.procs {
         let s = &p.stats;
         let dropped = drops.by_pid.get(&p.pid).copied().unwrap_or(0);
         let _ = writeln!(
@@ -363,7 +359,7 @@ pub fn final_summary(corr: &Correlator, gpus: &HubState, drops: &Drops, wall_ns:
                     a.count,
                     human_bytes(a.bytes),
                     a.ns as f64 / 1e6,
-                    super::bandwidth_mbps(a.bytes, a.ns)
+                    crate::rules::bandwidth_mbps(a.bytes, a.ns)
                 );
             }
         }
@@ -384,10 +380,11 @@ pub fn final_summary(corr: &Correlator, gpus: &HubState, drops: &Drops, wall_ns:
             human_bytes(s.outstanding_bytes())
         );
         if s.named_launches + s.unresolved_launches > 0 {
-            let top: Vec<String> = s
-                .top_kernels(5)
+            let top: Vec<String> = p
+                .top_kernels
                 .iter()
-                .map(|(k, n)| format!("{n}× {}", shorten(k, 60)))
+                .take(5)
+                .map(|(k, n)| format!("{n}× {}", shorten(&k.demangled, 60)))
                 .collect();
             let _ = writeln!(
                 out,
@@ -437,14 +434,14 @@ pub fn final_summary(corr: &Correlator, gpus: &HubState, drops: &Drops, wall_ns:
                 s.slow_calls
             );
         }
-        for l in p.leaks() {
+        for l in &p.leaks {
             let _ = writeln!(
                 out,
                 "  {} {:>10}   {} of {} memory from {} never freed",
                 if p.exited { "leaked     " } else { "outstanding" },
                 l.count,
                 human_bytes(l.bytes),
-                crate::correlate::mem_name(l.mem),
+                l.mem.name(),
                 l.api
             );
         }
@@ -454,7 +451,7 @@ pub fn final_summary(corr: &Correlator, gpus: &HubState, drops: &Drops, wall_ns:
         if let Some(u) = gpus.procs.get(&p.pid) {
             let _ = writeln!(out, "  NVML          {}", process_use(u, false));
         }
-        if let Some(g) = p.gpu.as_deref() {
+        if let Some(g) = &p.gpu {
             gpu_summary(&mut out, g);
         }
     }
@@ -464,7 +461,7 @@ pub fn final_summary(corr: &Correlator, gpus: &HubState, drops: &Drops, wall_ns:
     let mut others: Vec<_> = gpus
         .procs
         .iter()
-        .filter(|(pid, _)| !corr.procs.contains_key(pid) && gpus.wants(**pid))
+        .filter(|(pid, _)| snap.process(**pid).is_none() && gpus.wants(**pid))
         .collect();
     others.sort_by_key(|(pid, _)| **pid);
     if !others.is_empty() {
@@ -482,14 +479,13 @@ pub fn final_summary(corr: &Correlator, gpus: &HubState, drops: &Drops, wall_ns:
 }
 
 /// What CUPTI said about a process: GPU time, joins, queue delay, the kernels that took the GPU.
-fn gpu_summary(out: &mut String, g: &crate::correlate::gpu::GpuState) {
-    use crate::correlate::gpu::{state_message, state_name};
+fn gpu_summary(out: &mut String, g: &GpuView) {
     let (s, st) = (&g.stats, &g.status);
     let _ = writeln!(
         out,
         "  CUPTI         {:>10}   {}",
-        state_name(st.state),
-        state_message(st.state)
+        CuptiState::name_of(st.state),
+        CuptiState::message_of(st.state)
     );
     if s.kernels + s.memcpys + s.memsets == 0 {
         return;
@@ -501,7 +497,7 @@ fn gpu_summary(out: &mut String, g: &crate::correlate::gpu::GpuState) {
         s.kernels,
         s.kernel_ns as f64 / 1e6,
         s.kernel_ns as f64 / span * 100.0,
-        s.queue_delay_ns.checked_div(s.queue_delays).unwrap_or(0) as f64 / 1e3,
+        crate::rules::mean_ns(s.queue_delay_ns, s.queue_delays) as f64 / 1e3,
         s.max_queue_delay_ns as f64 / 1e3
     );
     let _ = writeln!(
@@ -525,5 +521,34 @@ fn gpu_summary(out: &mut String, g: &crate::correlate::gpu::GpuState) {
             count,
             shorten(name, 70)
         );
+    }
+}
+
+/// The notices a person watching stderr needs as they happen: a process's CUPTI state changed
+/// (GPU timestamps start flowing, or another profiler holds CUPTI and the process is observed
+/// with uprobes only).
+pub struct StderrNotices;
+
+impl super::Sink for StderrNotices {
+    fn describe(&self) -> String {
+        "notices to stderr".into()
+    }
+
+    fn event(&mut self, _: &crate::decode::Event) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    fn gpu(&mut self, _: &crate::correlate::cupti_join::GpuActivity) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    fn cupti_state(&mut self, c: &crate::correlate::CuptiChange) -> anyhow::Result<()> {
+        crate::say(format_args!(
+            "pid {} ({}): {}",
+            c.pid,
+            Printable(&c.comm),
+            CuptiState::message_of(c.status.state)
+        ));
+        Ok(())
     }
 }

@@ -5,13 +5,17 @@ use std::io::{self, Write};
 
 use gpu_observer_common::cupti::GpuRecordKind;
 
+use gpu_observer_common::cupti::CuptiState;
+
 use super::{JsonlWriter, OptNum, opt_str};
 use crate::{
-    correlate::gpu::{GpuActivity, GpuState, Status, copy_kind_name, memory_kind_name, state_message, state_name},
-    export::{
-        attributes::{Value, span_attributes},
-        bandwidth_mbps,
+    correlate::{
+        CuptiChange,
+        cupti_join::{GpuActivity, copy_kind_name, memory_kind_name},
     },
+    export::attributes::{Value, span_attributes},
+    rules::bandwidth_mbps,
+    snapshot::GpuView,
 };
 
 /// Slot of each GPU line type in `sampled_out`.
@@ -27,15 +31,14 @@ impl<W: Write> JsonlWriter<W> {
             _ => return Ok(()),
         };
         let dur = a.duration_ns();
-        if !crate::export::kept(dur, self.threshold_ns, self.trace_all) {
+        if !crate::rules::kept(dur, self.threshold_ns, self.trace_all) {
             self.sampled_out[slot] += 1;
             return Ok(());
         }
         let r = &a.rec;
         let o = a.origin.as_ref();
-        let end = a.comm.iter().position(|&b| b == 0).unwrap_or(a.comm.len());
-        let comm = std::str::from_utf8(&a.comm[..end]).unwrap_or("?");
-        self.head(ty, r.start_ns, a.pid, o.map_or(0, |o| o.tid), comm)?;
+        let comm = crate::rules::comm(&a.comm);
+        self.head(ty, r.start_ns, a.pid, o.map_or(0, |o| o.tid), &comm)?;
         let out = &mut self.out;
         opt_str(out, "api", o.and_then(|o| o.api).map(|a| a.name))?;
         opt_str(out, "cupti_api", o.map(|o| o.cupti_api))?;
@@ -93,7 +96,7 @@ impl<W: Write> JsonlWriter<W> {
                 memory_kind_name(r.dst_kind)
             )?,
         }
-        let slow = dur > self.threshold_ns;
+        let slow = crate::rules::is_slow(dur, self.threshold_ns);
         write!(out, ",\"is_slow\":{slow},\"attributes\":{{")?;
         for (i, (k, v)) in span_attributes(a, self.threshold_ns / 1000, slow)
             .into_iter()
@@ -111,20 +114,21 @@ impl<W: Write> JsonlWriter<W> {
     }
 
     /// A process's CUPTI state changed (active, busy next to another profiler, ...).
-    pub fn cupti(&mut self, pid: u32, ts_ns: u64, comm: &str, s: &Status) -> io::Result<()> {
-        self.head("cupti", ts_ns, pid, pid, comm)?;
+    pub fn cupti(&mut self, c: &CuptiChange) -> io::Result<()> {
+        let s = &c.status;
+        self.head("cupti", c.ts_ns, c.pid, c.pid, &c.comm)?;
         write!(
             self.out,
             ",\"state\":\"{}\",\"cupti_result\":{}",
-            state_name(s.state),
+            CuptiState::name_of(s.state),
             s.cupti_result
         )?;
-        opt_str(&mut self.out, "message", Some(state_message(s.state)))?;
+        opt_str(&mut self.out, "message", Some(CuptiState::message_of(s.state)))?;
         self.out.write_all(b"}\n")
     }
 
     /// The `"cupti":{...}` block of a process summary (`null` without the injection library).
-    pub(super) fn gpu_summary(&mut self, g: Option<&GpuState>) -> io::Result<()> {
+    pub(super) fn gpu_summary(&mut self, g: Option<&GpuView>) -> io::Result<()> {
         let o = &mut self.out;
         let Some(g) = g else {
             return o.write_all(b",\"cupti\":null");
@@ -133,7 +137,7 @@ impl<W: Write> JsonlWriter<W> {
         write!(
             o,
             ",\"cupti\":{{\"state\":\"{}\",\"cupti_result\":{},\"kernels\":{},\"memcpys\":{},\"memsets\":{},\"joined\":{},\"unjoined\":{},\"api_records\":{},\"api_unmatched\":{},\"calls_evicted\":{},\"gpu_kernel_ns\":{},\"gpu_memcpy_ns\":{},\"gpu_memset_ns\":{},\"gpu_span_ns\":{},\"queue_delay_avg_ns\":{},\"queue_delay_max_ns\":{},\"cupti_dropped\":{},\"rate_limited\":{},\"forwarded\":{},\"buffers\":{},\"buffer_bytes\":{},\"rate_limit\":{},\"top_kernels\":[",
-            state_name(st.state),
+            CuptiState::name_of(st.state),
             st.cupti_result,
             s.kernels,
             s.memcpys,
@@ -147,7 +151,7 @@ impl<W: Write> JsonlWriter<W> {
             s.memcpy_ns,
             s.memset_ns,
             s.last_gpu_ns.saturating_sub(s.first_gpu_ns),
-            s.queue_delay_ns.checked_div(s.queue_delays).unwrap_or(0),
+            crate::rules::mean_ns(s.queue_delay_ns, s.queue_delays),
             s.max_queue_delay_ns,
             st.cupti_dropped,
             st.rate_limited,

@@ -8,30 +8,16 @@ pub use nvml::throttle_names;
 
 use std::io::{self, Write};
 
-use gpu_observer_common::api::Family;
+use gpu_observer_common::api::{Direction, Family};
 
 use crate::{
-    attach::Drops,
-    correlate::{
-        Correlator, DIRECTIONS, Leak, MemorySample, Process, SyncTarget, direction_name, host_memory_name, mem_name,
-    },
-    decode::{Body, Call, Event},
-    export::bandwidth_mbps,
-    sample::{HubState, ProcUse},
+    correlate::{CuptiChange, Leak, MemorySample, SyncTarget, cupti_join::GpuActivity},
+    decode::{Body, Call, Event, HostMemory},
+    export::{LeakReport, Sink, Summary},
+    nvml::{DeviceInfo, Line, ProcUse},
+    rules::bandwidth_mbps,
+    snapshot::ProcessView,
 };
-
-/// The name of an event kind in drop counts.
-pub fn drop_kind_name(kind: u32) -> &'static str {
-    match kind {
-        1 => "launch",
-        2 => "call",
-        3 => "ioctl",
-        4 => "process_exit",
-        5 => "name",
-        6 => "gpu",
-        _ => "gpu_name",
-    }
-}
 
 pub struct JsonlWriter<W: Write> {
     out: W,
@@ -118,15 +104,11 @@ impl<W: Write> JsonlWriter<W> {
             _ => return false,
         };
         // An abandoned call has no duration to sample by, and is rare: always written.
-        if c.abandoned || crate::export::kept(c.duration_ns, self.threshold_ns, self.trace_all) {
+        if c.abandoned || crate::rules::kept(c.duration_ns, self.threshold_ns, self.trace_all) {
             return false;
         }
         self.sampled_out[slot] += 1;
         true
-    }
-
-    pub fn into_inner(self) -> W {
-        self.out
     }
 
     pub fn flush(&mut self) -> io::Result<()> {
@@ -142,7 +124,7 @@ impl<W: Write> JsonlWriter<W> {
     }
 
     fn event_head(&mut self, ty: &str, ev: &Event) -> io::Result<()> {
-        self.head(ty, ev.ts_ns, ev.pid, ev.tid, ev.comm())?;
+        self.head(ty, ev.ts_ns, ev.pid, ev.tid, &ev.comm())?;
         if let Some(api) = ev.api {
             write!(self.out, ",\"api\":\"{}\"", api.name)?;
         }
@@ -213,7 +195,7 @@ impl<W: Write> JsonlWriter<W> {
     }
 
     fn call_fields(&mut self, family: Option<Family>, c: &Call) -> io::Result<()> {
-        let slow = c.duration_ns > self.threshold_ns;
+        let slow = crate::rules::is_slow(c.duration_ns, self.threshold_ns);
         // An abandoned call never returned: no duration, bandwidth or result.
         let dur = OptNum((!c.abandoned).then_some(c.duration_ns));
         let o = &mut self.out;
@@ -223,7 +205,7 @@ impl<W: Write> JsonlWriter<W> {
                 write!(
                     o,
                     ",\"direction\":\"{}\",\"direction_inferred\":{},\"bytes\":{bytes},\"duration_ns\":{dur},\"bandwidth_mbps\":{},\"is_slow\":{slow},\"async\":{},\"stream\":{},\"dst\":{},\"src\":{}",
-                    direction_name(c.direction),
+                    c.direction.name(),
                     c.direction_inferred,
                     OptNum((!c.abandoned).then(|| format!("{:.3}", bandwidth_mbps(bytes, c.duration_ns)))),
                     c.stream.is_some(),
@@ -231,7 +213,7 @@ impl<W: Write> JsonlWriter<W> {
                     OptHex(c.dst),
                     OptHex(c.src)
                 )?;
-                opt_str(o, "host_memory", c.host_memory.map(host_memory_name))?;
+                opt_str(o, "host_memory", c.host_memory.map(HostMemory::name))?;
             }
             Some(Family::Memset) => {
                 write!(
@@ -248,7 +230,7 @@ impl<W: Write> JsonlWriter<W> {
                     ",\"bytes\":{},\"address\":{},\"memory\":\"{}\",\"duration_ns\":{dur},\"stream\":{}",
                     OptNum(c.bytes),
                     OptHex(c.address),
-                    mem_name(c.mem),
+                    c.mem.name(),
                     OptHex(c.stream)
                 )?;
             }
@@ -303,17 +285,17 @@ impl<W: Write> JsonlWriter<W> {
     }
 
     /// Allocations a process has not freed: at its exit, or on demand (SIGUSR1).
-    pub fn leaks(&mut self, ts_ns: u64, p: &Process) -> io::Result<()> {
-        for l in p.leaks() {
-            self.head("leak", ts_ns, p.pid, p.pid, &p.comm)?;
+    pub fn leaks(&mut self, r: &LeakReport<'_>) -> io::Result<()> {
+        for l in r.leaks {
+            self.head("leak", r.ts_ns, r.pid, r.pid, r.comm)?;
             writeln!(
                 self.out,
                 ",\"api\":\"{}\",\"memory\":\"{}\",\"count\":{},\"bytes\":{},\"process_exited\":{}}}",
                 l.api,
-                mem_name(l.mem),
+                l.mem.name(),
                 l.count,
                 l.bytes,
-                p.exited
+                r.exited
             )?;
         }
         Ok(())
@@ -321,17 +303,10 @@ impl<W: Write> JsonlWriter<W> {
 
     /// One `summary` line per process, then the total line (always last; `events` and
     /// `dropped` always present).
-    pub fn summary(
-        &mut self,
-        corr: &Correlator,
-        gpus: &HubState,
-        drops: &Drops,
-        wall_ns: u64,
-        unattributed: u64,
-        // What other parts of the agent report in the total, by key (`otlp`, `libraries`).
-        agent: &[(&str, serde_json::Value)],
-    ) -> io::Result<()> {
-        for p in corr.sorted() {
+    pub fn summary(&mut self, sum: &Summary<'_>) -> io::Result<()> {
+        let (snap, drops, wall_ns, unattributed) = (sum.snapshot, sum.drops, sum.wall_ns, sum.unattributed_drops);
+        let gpus = &*snap.nvml;
+        for p in &snap.procs {
             self.process_summary(
                 p,
                 gpus.procs.get(&p.pid),
@@ -342,27 +317,27 @@ impl<W: Write> JsonlWriter<W> {
         write!(
             self.out,
             "{{\"type\":\"summary\",\"scope\":\"total\",\"pid\":null,\"events\":{},\"dropped\":{},\"dropped_by_kind\":",
-            corr.events, drops.total
+            snap.events, drops.total
         )?;
-        let kinds = drops.by_kind.iter().map(|(kind, n)| (drop_kind_name(*kind), *n));
+        let kinds = drops.by_kind.iter().map(|(kind, n)| (kind.name(), *n));
         counts(&mut self.out, kinds)?;
         write!(
             self.out,
             ",\"abandoned\":{},\"memory_limit_mb\":{},\"memory_budget\":{{\"tables_bytes\":{},\"kernel_name_bytes\":{},\"allocations\":{},\"exited_processes\":{},\"cupti_bytes\":{}}},\"evicted\":{{\"kernel_names\":{},\"allocations\":{},\"processes\":{},\"cupti_records\":{}}},\"decode_errors\":{},\"processes\":{},\"forgotten_processes\":{},\"unattributed_drops\":{unattributed},\"threshold_us\":{},\"trace_all\":{},\"sampled_out\":{{\"memcpy\":{},\"memset\":{},\"sync\":{},\"gpu_kernel\":{},\"gpu_memcpy\":{},\"gpu_memset\":{}}},\"demangler\":\"{}\",\"wall_ns\":{wall_ns}",
-            corr.abandoned_calls(),
-            corr.budget.limit_mb,
-            corr.budget.tables_bytes,
-            corr.budget.name_bytes,
-            corr.budget.allocs,
-            corr.budget.exited,
-            corr.budget.cupti_bytes,
-            corr.evicted.kernel_names,
-            corr.evicted.allocations,
-            corr.evicted.processes,
-            corr.evicted.cupti_records,
-            corr.decode_errors,
-            corr.procs.len(),
-            corr.forgotten,
+            snap.abandoned,
+            snap.budget.limit_mb,
+            snap.budget.tables_bytes,
+            snap.budget.name_bytes,
+            snap.budget.allocs,
+            snap.budget.exited,
+            snap.budget.cupti_bytes,
+            snap.evicted.kernel_names,
+            snap.evicted.allocations,
+            snap.evicted.processes,
+            snap.evicted.cupti_records,
+            snap.decode_errors,
+            snap.procs.len(),
+            snap.forgotten,
             self.threshold_ns / 1000,
             self.trace_all,
             self.sampled_out[0],
@@ -374,7 +349,7 @@ impl<W: Write> JsonlWriter<W> {
             crate::decode::demangle::style()
         )?;
         self.nvml_total(gpus)?;
-        for (key, value) in agent {
+        for (key, value) in sum.agent {
             write!(self.out, ",\"{key}\":")?;
             serde_json::to_writer(&mut self.out, value).map_err(io::Error::other)?;
         }
@@ -382,7 +357,7 @@ impl<W: Write> JsonlWriter<W> {
         self.out.flush()
     }
 
-    fn process_summary(&mut self, p: &Process, nvml: Option<&ProcUse>, dropped: u64) -> io::Result<()> {
+    fn process_summary(&mut self, p: &ProcessView, nvml: Option<&ProcUse>, dropped: u64) -> io::Result<()> {
         let s = &p.stats;
         let o = &mut self.out;
         write!(
@@ -403,13 +378,13 @@ impl<W: Write> JsonlWriter<W> {
         )?;
         counts(o, s.launch_apis.iter())?;
         o.write_all(b",\"memcpy\":{")?;
-        for (i, d) in DIRECTIONS.iter().enumerate() {
+        for (i, d) in Direction::REPORTED.iter().enumerate() {
             let a = s.copies[i];
             write!(
                 o,
                 "{}\"{}\":{{\"count\":{},\"bytes\":{},\"duration_ns\":{},\"bandwidth_mbps\":{:.3}}}",
                 if i == 0 { "" } else { "," },
-                direction_name(*d),
+                d.name(),
                 a.count,
                 a.bytes,
                 a.ns,
@@ -435,12 +410,12 @@ impl<W: Write> JsonlWriter<W> {
             s.live_host,
             s.live_allocs
         )?;
-        for (i, Leak { api, mem, count, bytes }) in p.leaks().iter().enumerate() {
+        for (i, Leak { api, mem, count, bytes }) in p.leaks.iter().enumerate() {
             write!(
                 o,
                 "{}{{\"api\":\"{api}\",\"memory\":\"{}\",\"count\":{count},\"bytes\":{bytes}}}",
                 if i == 0 { "" } else { "," },
-                mem_name(*mem)
+                mem.name()
             )?;
         }
         let span = p.span_ns() as f64;
@@ -501,8 +476,57 @@ impl<W: Write> JsonlWriter<W> {
             s.slow_calls, s.failed_calls, s.abandoned_calls
         )?;
         counts(o, s.call_apis.iter())?;
-        self.gpu_summary(p.gpu.as_deref())?;
+        self.gpu_summary(p.gpu.as_ref())?;
         self.nvml_process(nvml)?;
         self.out.write_all(b"}\n")
+    }
+}
+
+/// JSON lines as an event output: the writer and where it writes.
+pub struct JsonlSink<W: Write + Send> {
+    pub writer: JsonlWriter<W>,
+    /// For messages: the path, or "stdout".
+    pub dest: String,
+}
+
+impl<W: Write + Send> Sink for JsonlSink<W> {
+    fn describe(&self) -> String {
+        format!("JSON lines to {}", self.dest)
+    }
+
+    fn event(&mut self, ev: &Event) -> anyhow::Result<()> {
+        Ok(self.writer.event(ev)?)
+    }
+
+    fn gpu(&mut self, a: &GpuActivity) -> anyhow::Result<()> {
+        Ok(self.writer.gpu(a)?)
+    }
+
+    fn cupti_state(&mut self, c: &CuptiChange) -> anyhow::Result<()> {
+        Ok(self.writer.cupti(c)?)
+    }
+
+    fn memory(&mut self, ts_ns: u64, m: &MemorySample, comm: &str) -> anyhow::Result<()> {
+        Ok(self.writer.memory(ts_ns, m, comm)?)
+    }
+
+    fn leaks(&mut self, r: &LeakReport<'_>) -> anyhow::Result<()> {
+        Ok(self.writer.leaks(r)?)
+    }
+
+    fn wants_nvml(&self) -> bool {
+        true
+    }
+
+    fn nvml(&mut self, line: &Line, comm: Option<&str>, devices: &[DeviceInfo]) -> anyhow::Result<()> {
+        Ok(self.writer.nvml(line, comm, devices)?)
+    }
+
+    fn flush(&mut self) -> anyhow::Result<()> {
+        Ok(self.writer.flush()?)
+    }
+
+    fn summary(&mut self, s: &Summary<'_>) -> anyhow::Result<()> {
+        Ok(self.writer.summary(s)?)
     }
 }

@@ -10,9 +10,9 @@ use std::io::{self, Write};
 use serde_json::{Map, Value, json};
 
 use super::JsonlWriter;
-use crate::sample::{
-    Agg, DeviceSample, HubState, Line, ProcUse, ProcessSample, QUERY_NAMES,
-    nvml::{Clocks, THROTTLE_REASONS},
+use crate::nvml::{
+    Agg, DeviceSample, Line, ProcUse, ProcessSample, QUERY_NAMES,
+    query::{Clocks, THROTTLE_REASONS},
 };
 
 /// Inserts `key: v` when there is a value.
@@ -171,12 +171,7 @@ impl<W: Write> JsonlWriter<W> {
     }
 
     /// One `nvml` line: a device's description (once), a device sample, or a process sample.
-    pub fn nvml(
-        &mut self,
-        line: &Line,
-        comm: Option<&str>,
-        hub_devices: &[crate::sample::DeviceInfo],
-    ) -> io::Result<()> {
+    pub fn nvml(&mut self, line: &Line, comm: Option<&str>, hub_devices: &[crate::nvml::DeviceInfo]) -> io::Result<()> {
         let info = |d: u32| hub_devices.iter().find(|i| i.index == d);
         let m = match line {
             Line::Info(d, ts_ns) => {
@@ -219,7 +214,7 @@ impl<W: Write> JsonlWriter<W> {
     }
 
     /// A `summary` line per device (the whole run, not only the history window).
-    pub(super) fn nvml_devices(&mut self, hub: &HubState) -> io::Result<()> {
+    pub(super) fn nvml_devices(&mut self, hub: &crate::nvml::View) -> io::Result<()> {
         for (d, t) in hub.devices.iter().zip(&hub.totals) {
             let mut m = Map::new();
             m.insert("type".into(), "summary".into());
@@ -243,7 +238,7 @@ impl<W: Write> JsonlWriter<W> {
     }
 
     /// `,"nvml":{…}` in the total summary: state, and what the sampler cost (seed 002 §9.1).
-    pub(super) fn nvml_total(&mut self, hub: &HubState) -> io::Result<()> {
+    pub(super) fn nvml_total(&mut self, hub: &crate::nvml::View) -> io::Result<()> {
         let c = &hub.cost;
         let mut queries = Map::new();
         for (name, s) in QUERY_NAMES.iter().zip(c.stats.iter()) {

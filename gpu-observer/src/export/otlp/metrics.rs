@@ -1,29 +1,26 @@
-//! The OTLP metrics: observable instruments read, at each export, from the state the agent
-//! keeps anyway (per-process totals in the correlator, the NVML hub, the agent's counters),
-//! so metrics cost nothing per event. Names: OpenTelemetry's `hw.gpu.*` for devices,
+//! The OTLP metrics: observable instruments read, at each export, from the latest snapshot
+//! (per-process totals, NVML devices, the agent's drops) and the exporter's own counters, so
+//! metrics cost nothing per event and never wait on the reader. Names: OpenTelemetry's `hw.gpu.*` for devices,
 //! `gpu.cuda.*` per process, `gpu_observer.*` for the agent itself (deploy/README.md lists
 //! them with their Prometheus names).
 
 use std::sync::{Arc, atomic::Ordering};
 
+use gpu_observer_common::api::Direction;
 use opentelemetry::{
     KeyValue,
     metrics::{Histogram, MeterProvider as _},
 };
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 
-use super::otlp::{Counters, SharedProcAttrs};
-use crate::{
-    correlate::{DIRECTIONS, direction_name},
-    pipeline::Shared,
-    sample::Hub,
-};
+use super::{Counters, SharedProcAttrs};
+use crate::snapshot::{ProcessView, Snapshots};
 
 /// Hands a value and its attributes to the instrument.
 type Observe<'a> = &'a mut dyn FnMut(f64, Vec<KeyValue>);
 /// What a process or a device contributes to one instrument.
-type FromProcess = fn(&crate::correlate::Process, Vec<KeyValue>, Observe<'_>);
-type FromDevice = fn(&crate::sample::DeviceSample, Observe<'_>);
+type FromProcess = fn(&ProcessView, Vec<KeyValue>, Observe<'_>);
+type FromDevice = fn(&crate::nvml::DeviceSample, Observe<'_>);
 
 fn with(mut v: Vec<KeyValue>, kv: KeyValue) -> Vec<KeyValue> {
     v.push(kv);
@@ -33,35 +30,28 @@ fn with(mut v: Vec<KeyValue>, kv: KeyValue) -> Vec<KeyValue> {
 /// Registers every instrument; returns the kernel GPU-time histogram the span thread records.
 pub fn register(
     meters: &SdkMeterProvider,
-    shared: &Arc<Shared>,
-    hub: &Arc<Hub>,
+    snapshots: &Snapshots,
     counters: &Arc<Counters>,
     procs: &SharedProcAttrs,
 ) -> Histogram<f64> {
     let m = meters.meter("gpu-observer");
 
-    // Per process, from the correlator's totals.
+    // Per process, from the snapshot's totals.
     let per_proc = |name: &'static str, unit: &'static str, desc: &'static str, f: FromProcess| {
-        let (s, pa) = (shared.clone(), procs.clone());
+        let (s, pa) = (snapshots.clone(), procs.clone());
         m.f64_observable_counter(name)
             .with_unit(unit)
             .with_description(desc)
             .with_callback(move |obs| {
-                // Values under the correlator's lock; process attributes (files in /proc) after.
-                let mut values: Vec<(u32, String, f64, Vec<KeyValue>)> = Vec::new();
-                {
-                    let corr = s.corr.lock().expect("correlator lock");
-                    for p in corr.procs.values() {
-                        f(p, Vec::new(), &mut |v, extra| {
-                            values.push((p.pid, p.comm.clone(), v, extra))
-                        });
-                    }
-                }
+                let snap = s.load();
                 let mut pa = pa.lock().expect("process attributes lock");
-                for (pid, comm, v, extra) in values {
-                    let mut a = (*pa.of(pid, &comm)).clone();
-                    a.extend(extra);
-                    obs.observe(v, &a);
+                for p in &snap.procs {
+                    let attrs = pa.of(p.pid, &p.comm);
+                    f(p, Vec::new(), &mut |v, extra| {
+                        let mut a = (*attrs).clone();
+                        a.extend(extra);
+                        obs.observe(v, &a);
+                    });
                 }
             })
             .build()
@@ -77,8 +67,8 @@ pub fn register(
         "By",
         "Bytes copied, by direction",
         |p, a, o| {
-            for d in DIRECTIONS {
-                let kv = KeyValue::new("gpu_transfer.direction", direction_name(d));
+            for d in Direction::REPORTED {
+                let kv = KeyValue::new("gpu_transfer.direction", d.name());
                 o(p.stats.copy(d).bytes as f64, with(a.clone(), kv));
             }
         },
@@ -88,8 +78,8 @@ pub fn register(
         "s",
         "CPU time in copy calls, by direction",
         |p, a, o| {
-            for d in DIRECTIONS {
-                let kv = KeyValue::new("gpu_transfer.direction", direction_name(d));
+            for d in Direction::REPORTED {
+                let kv = KeyValue::new("gpu_transfer.direction", d.name());
                 o(p.stats.copy(d).ns as f64 / 1e9, with(a.clone(), kv));
             }
         },
@@ -121,40 +111,31 @@ pub fn register(
             false,
         ),
     ] {
-        let (s, pa) = (shared.clone(), procs.clone());
+        let (s, pa) = (snapshots.clone(), procs.clone());
         m.f64_observable_gauge(name)
             .with_unit(unit)
             .with_description(desc)
             .with_callback(move |obs| {
-                let values: Vec<(u32, String, u64)> = {
-                    let corr = s.corr.lock().expect("correlator lock");
-                    corr.procs
-                        .values()
-                        .filter(|p| !p.exited)
-                        .map(|p| {
-                            let v = if bytes {
-                                p.stats.outstanding_bytes()
-                            } else {
-                                p.stats.live_allocs
-                            };
-                            (p.pid, p.comm.clone(), v)
-                        })
-                        .collect()
-                };
+                let snap = s.load();
                 let mut pa = pa.lock().expect("process attributes lock");
-                for (pid, comm, v) in values {
-                    obs.observe(v as f64, &pa.of(pid, &comm));
+                for p in snap.procs.iter().filter(|p| !p.exited) {
+                    let v = if bytes {
+                        p.stats.outstanding_bytes()
+                    } else {
+                        p.stats.live_allocs
+                    };
+                    obs.observe(v as f64, &pa.of(p.pid, &p.comm));
                 }
             })
             .build();
     }
 
-    // Devices, from the NVML hub's latest samples.
+    // Devices, from the latest NVML samples.
     let per_gpu = |name: &'static str, unit: &'static str, counter: bool, f: FromDevice| {
-        let h = hub.clone();
+        let snaps = snapshots.clone();
         let cb = move |obs: &dyn opentelemetry::metrics::AsyncInstrument<f64>| {
-            let hub = h.lock();
-            for (d, s) in hub.latest() {
+            let snap = snaps.load();
+            for (d, s) in snap.nvml.latest() {
                 let Some(s) = s else { continue };
                 let base = vec![
                     KeyValue::new("hw.id", d.uuid.clone().unwrap_or_default()),
@@ -244,29 +225,29 @@ pub fn register(
 
     // The agent itself.
     {
-        let s = shared.clone();
+        let s = snapshots.clone();
         m.u64_observable_counter("gpu_observer.events")
             .with_unit("{event}")
-            .with_callback(move |obs| obs.observe(s.corr.lock().expect("correlator lock").events, &[]))
+            .with_callback(move |obs| obs.observe(s.load().events, &[]))
             .build();
     }
     {
-        let s = shared.clone();
+        let s = snapshots.clone();
         m.u64_observable_counter("gpu_observer.dropped")
             .with_unit("{record}")
             .with_description("Records the ring buffer had no room for, by kind")
             .with_callback(move |obs| {
-                for (kind, n) in s.agent.lock().expect("agent stats lock").drops.iter() {
-                    obs.observe(*n, &[KeyValue::new("kind", *kind)]);
+                for (kind, n) in &s.load().agent.drops.by_kind {
+                    obs.observe(*n, &[KeyValue::new("kind", kind.name())]);
                 }
             })
             .build();
     }
     {
-        let s = shared.clone();
+        let s = snapshots.clone();
         m.u64_observable_counter("gpu_observer.attach.failures")
             .with_unit("{library}")
-            .with_callback(move |obs| obs.observe(s.agent.lock().expect("agent stats lock").attach_failures, &[]))
+            .with_callback(move |obs| obs.observe(s.load().agent.attach_failures, &[]))
             .build();
     }
     {

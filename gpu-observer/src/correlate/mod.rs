@@ -15,11 +15,14 @@ use std::{
 
 use gpu_observer_common::api::{Direction, Family, MemKind};
 
-use crate::decode::{Body, Call, Event, HostMemory, KernelName};
+use crate::{
+    decode::{Body, Call, Event, HostMemory, KernelName},
+    rules,
+};
 
-pub mod gpu;
+pub mod cupti_join;
 
-use gpu::{GpuActivity, GpuState, Pool, Recent, Status};
+use cupti_join::{GpuActivity, GpuState, Pool, Recent, Status};
 
 /// Live allocations remembered per process.
 const MAX_LIVE_ALLOCS: usize = 1 << 20;
@@ -41,7 +44,7 @@ const NAME_OVERHEAD: u64 = 96;
 const ALLOC_COST: u64 = 64;
 /// Bytes an exited process's counters may cost at worst (capped maps of ioctl commands, sync
 /// handles and API counts, see the `MAX_*` above, and the names of its top GPU kernels kept by
-/// [`gpu::GpuState::release`]).
+/// [`cupti_join::GpuState::release`]).
 const EXITED_COST: u64 = 80 * 1024;
 /// Kernels an exited process keeps for its final summary (the most launched).
 const EXITED_TOP_KERNELS: usize = 16;
@@ -53,7 +56,7 @@ const EXITED_TOP_KERNELS: usize = 16;
 /// ring buffer (its data pages are mapped twice) and [`SLACK_BYTES`] are taken off; of the rest,
 /// 3/8 is for kernel names, 3/16 for live allocations, 3/16 for exited processes' counters and
 /// a quarter for the CUPTI join (calls waiting for their API record, correlation ids, activity
-/// waiting for its call, CUPTI's kernel names: [`gpu::Pool`]). Never less than [`MIN_TABLES_BYTES`] in all: a limit below what the agent needs to
+/// waiting for its call, CUPTI's kernel names: [`cupti_join::Pool`]). Never less than [`MIN_TABLES_BYTES`] in all: a limit below what the agent needs to
 /// run cannot be kept, and the summary's `memory_budget` shows what was used.
 #[derive(Clone, Copy, Debug)]
 pub struct Budget {
@@ -101,15 +104,46 @@ impl Default for Budget {
     }
 }
 
-/// The agent's resident set now, in bytes (0 when /proc cannot say).
-fn resident_bytes() -> u64 {
-    let pages = std::fs::read_to_string("/proc/self/statm")
-        .ok()
-        .and_then(|s| s.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()))
-        .unwrap_or(0);
-    // SAFETY: sysconf has no preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    pages.saturating_mul(u64::try_from(page).unwrap_or(4096))
+/// What the correlator needs to know about a process beyond its events (read from /proc by
+/// `procinfo`; the correlator itself does no I/O).
+pub trait Lookup: Send {
+    /// The process's command name.
+    fn comm(&self, pid: u32) -> Option<String>;
+    /// The path an fd of the process points at (`/dev/nvidia-uvm`).
+    fn fd_target(&self, pid: u32, fd: u32) -> Option<Arc<str>>;
+    /// The agent's own resident set, in bytes (0 when unknown).
+    fn own_resident_bytes(&self) -> u64;
+}
+
+impl Lookup for crate::procinfo::ProcInfo {
+    fn comm(&self, pid: u32) -> Option<String> {
+        crate::procinfo::ProcInfo::comm(self, pid)
+    }
+
+    fn fd_target(&self, pid: u32, fd: u32) -> Option<Arc<str>> {
+        crate::procinfo::ProcInfo::fd_target(self, pid, fd)
+    }
+
+    fn own_resident_bytes(&self) -> u64 {
+        crate::procinfo::ProcInfo::own_resident_bytes(self)
+    }
+}
+
+/// Knows nothing: events alone (replays and tests).
+pub struct NoLookup;
+
+impl Lookup for NoLookup {
+    fn comm(&self, _: u32) -> Option<String> {
+        None
+    }
+
+    fn fd_target(&self, _: u32, _: u32) -> Option<Arc<str>> {
+        None
+    }
+
+    fn own_resident_bytes(&self) -> u64 {
+        0
+    }
 }
 
 /// The agent's default memory ceiling (`--memory-limit-mb`).
@@ -127,7 +161,7 @@ pub struct Evicted {
     /// CUPTI join state let go because its share of the budget was full: uprobe calls that
     /// stopped waiting for their API record, correlation ids forgotten (their later activity is
     /// unjoined), activity records sent out unjoined before their API record came, device
-    /// records not kept (see [`gpu::Pool`]).
+    /// records not kept (see [`cupti_join::Pool`]).
     pub cupti_records: u64,
 }
 
@@ -155,38 +189,6 @@ impl Amount {
         self.count += 1;
         self.bytes += bytes;
         self.ns += ns;
-    }
-}
-
-/// Directions in a fixed order for tables and JSON.
-pub const DIRECTIONS: [Direction; 4] = [
-    Direction::CpuToGpu,
-    Direction::GpuToCpu,
-    Direction::GpuToGpu,
-    Direction::Unknown,
-];
-
-pub fn direction_name(d: Direction) -> &'static str {
-    match d {
-        Direction::CpuToGpu => "cpu_to_gpu",
-        Direction::GpuToCpu => "gpu_to_cpu",
-        Direction::GpuToGpu => "gpu_to_gpu",
-        Direction::Unknown | Direction::None => "unknown",
-    }
-}
-
-pub fn mem_name(m: MemKind) -> &'static str {
-    match m {
-        MemKind::Device | MemKind::None => "device",
-        MemKind::Managed => "managed",
-        MemKind::Host => "host",
-    }
-}
-
-pub fn host_memory_name(h: HostMemory) -> &'static str {
-    match h {
-        HostMemory::Pinned => "pinned",
-        HostMemory::Pageable => "pageable",
     }
 }
 
@@ -218,9 +220,7 @@ pub struct Stats {
     pub named_launches: u64,
     /// Kernel launches of handles never named while observed (loaded before the observer).
     pub unresolved_launches: u64,
-    /// Launches per kernel name, keyed by the name's allocation (no hashing of the string).
-    pub kernels: HashMap<usize, (Arc<KernelName>, u64)>,
-    /// Indexed like [`DIRECTIONS`].
+    /// Indexed like [`Direction::REPORTED`].
     pub copies: [Amount; 4],
     /// Generic/peer copies whose direction came from tracked allocations.
     pub inferred_copies: u64,
@@ -258,23 +258,7 @@ pub struct Stats {
 
 impl Stats {
     pub fn copy(&self, d: Direction) -> Amount {
-        DIRECTIONS
-            .iter()
-            .position(|x| *x == d)
-            .map(|i| self.copies[i])
-            .unwrap_or_default()
-    }
-
-    /// The most launched kernels: (demangled name, launches), most first.
-    pub fn top_kernels(&self, n: usize) -> Vec<(&str, u64)> {
-        let mut by_name: HashMap<&str, u64> = HashMap::new();
-        for (k, count) in self.kernels.values() {
-            *by_name.entry(&k.demangled).or_default() += count;
-        }
-        let mut v: Vec<(&str, u64)> = by_name.into_iter().collect();
-        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
-        v.truncate(n);
-        v
+        self.copies[d.index()]
     }
 
     pub fn outstanding_bytes(&self) -> u64 {
@@ -308,13 +292,20 @@ pub struct Process {
     pub last_ts: u64,
     pub exited: bool,
     pub stats: Stats,
+    /// Launches per kernel name, keyed by the name's allocation (no hashing of the string).
+    kernels: HashMap<usize, (Arc<KernelName>, u64)>,
     live: BTreeMap<u64, Alloc>,
+    /// What `live` adds up to by (entry point, memory kind), kept as allocations come and go
+    /// so a leak report costs the number of entry points, not of allocations.
+    live_by: BTreeMap<(&'static str, u8), Leak>,
     names: HashMap<u64, Arc<KernelName>>,
     fds: HashMap<u32, Option<Arc<str>>>,
     /// What an exited process never freed, summed at its exit (its `live` map is released).
     exit_leaks: Vec<Leak>,
     /// Memory counters changed since the last sample.
     memory_dirty: bool,
+    /// Anything changed since the last snapshot took this process.
+    changed: bool,
     /// CUPTI join state, once the process's injection library has reported.
     pub gpu: Option<Box<GpuState>>,
 }
@@ -328,11 +319,14 @@ impl Process {
             last_ts: ts,
             exited: false,
             stats: Stats::default(),
+            kernels: HashMap::new(),
             live: BTreeMap::new(),
+            live_by: BTreeMap::new(),
             names: HashMap::new(),
             fds: HashMap::new(),
             exit_leaks: Vec::new(),
             memory_dirty: false,
+            changed: true,
             gpu: None,
         }
     }
@@ -365,18 +359,49 @@ impl Process {
 
     /// What the live allocations add up to, by entry point and memory kind.
     fn live_leaks(&self) -> Vec<Leak> {
-        let mut by: BTreeMap<(&'static str, u8), Leak> = BTreeMap::new();
-        for a in self.live.values() {
-            let l = by.entry((a.api, a.mem as u8)).or_insert(Leak {
-                api: a.api,
-                mem: a.mem,
-                count: 0,
-                bytes: 0,
-            });
+        self.live_by.values().cloned().collect()
+    }
+
+    /// The most launched kernels: (demangled name, launches), most first.
+    pub fn top_kernels(&self, n: usize) -> Vec<(Arc<KernelName>, u64)> {
+        let mut by_name: HashMap<&str, (&Arc<KernelName>, u64)> = HashMap::new();
+        for (k, count) in self.kernels.values() {
+            by_name.entry(&k.demangled).or_insert((k, 0)).1 += count;
+        }
+        let mut v: Vec<(&str, (&Arc<KernelName>, u64))> = by_name.into_iter().collect();
+        v.sort_by(|a, b| b.1.1.cmp(&a.1.1).then(a.0.cmp(b.0)));
+        v.into_iter().take(n).map(|(_, (k, c))| (k.clone(), c)).collect()
+    }
+
+    /// Distinct kernel handles launched (what [`Self::top_kernels`] walks).
+    pub fn kernel_count(&self) -> usize {
+        self.kernels.len()
+    }
+
+    /// Whether anything changed since the last call (a snapshot reuses what did not).
+    pub fn take_changed(&mut self) -> bool {
+        std::mem::take(&mut self.changed)
+    }
+
+    /// Counts an allocation into [`Self::live_by`] (`sign` +1) or out of it (-1).
+    fn tally(&mut self, a: Alloc, add: bool) {
+        let key = (a.api, a.mem as u8);
+        let l = self.live_by.entry(key).or_insert(Leak {
+            api: a.api,
+            mem: a.mem,
+            count: 0,
+            bytes: 0,
+        });
+        if add {
             l.count += 1;
             l.bytes += a.bytes;
+        } else {
+            l.count = l.count.saturating_sub(1);
+            l.bytes = l.bytes.saturating_sub(a.bytes);
+            if l.count == 0 {
+                self.live_by.remove(&key);
+            }
         }
-        by.into_values().collect()
     }
 
     /// Remembers a handle's name if the per-process cap and the global budget allow.
@@ -399,13 +424,14 @@ impl Process {
         used.allocs -= self.live.len() as u64;
         self.names = HashMap::new();
         self.live = BTreeMap::new();
+        self.live_by = BTreeMap::new();
         self.fds = HashMap::new();
         // Kernel launch counts hold their names: keep the most launched for the summary.
-        if self.stats.kernels.len() > EXITED_TOP_KERNELS {
-            let mut v: Vec<(usize, (Arc<KernelName>, u64))> = self.stats.kernels.drain().collect();
+        if self.kernels.len() > EXITED_TOP_KERNELS {
+            let mut v: Vec<(usize, (Arc<KernelName>, u64))> = self.kernels.drain().collect();
             v.sort_by_key(|k| std::cmp::Reverse(k.1.1));
             v.truncate(EXITED_TOP_KERNELS);
-            self.stats.kernels = v.into_iter().collect();
+            self.kernels = v.into_iter().collect();
         }
     }
 
@@ -418,17 +444,10 @@ impl Process {
         }
     }
 
-    /// The device file behind an fd, read once per fd from /proc.
-    fn device(&mut self, fd: u32) -> Option<Arc<str>> {
+    /// The device file behind an fd, looked up once per fd.
+    fn device(&mut self, fd: u32, lookup: &dyn Lookup) -> Option<Arc<str>> {
         let pid = self.pid;
-        self.fds
-            .entry(fd)
-            .or_insert_with(|| {
-                std::fs::read_link(format!("/proc/{pid}/fd/{fd}"))
-                    .ok()
-                    .map(|p| Arc::from(p.to_string_lossy().as_ref()))
-            })
-            .clone()
+        self.fds.entry(fd).or_insert_with(|| lookup.fd_target(pid, fd)).clone()
     }
 }
 
@@ -462,7 +481,15 @@ pub struct MemorySample {
     pub allocations: u64,
 }
 
-#[derive(Debug, Default)]
+/// A process's CUPTI state changed (a `cupti` line, a message on stderr).
+#[derive(Clone, Debug)]
+pub struct CuptiChange {
+    pub pid: u32,
+    pub ts_ns: u64,
+    pub comm: String,
+    pub status: Status,
+}
+
 pub struct Correlator {
     pub procs: HashMap<u32, Process>,
     pub events: u64,
@@ -477,21 +504,41 @@ pub struct Correlator {
     used: Used,
     /// What the budget made the agent not remember.
     pub evicted: Evicted,
-    /// Copies, memsets and syncs longer than this are slow (seed 003: 100 µs).
+    /// Copies, memsets and syncs that take at least this are slow ([`rules::is_slow`]).
     pub threshold_ns: u64,
     exited_order: VecDeque<u32>,
     /// GPU activity joined since the last drain (written by the pipeline).
     pub gpu_out: Vec<GpuActivity>,
-    /// CUPTI state changes since the last drain: (pid, ts, comm, new status).
-    pub cupti_changes: Vec<(u32, u64, String, Status)>,
+    /// CUPTI state changes since the last drain.
+    pub cupti_changes: Vec<CuptiChange>,
+    lookup: Box<dyn Lookup>,
 }
 
 impl Correlator {
+    /// A correlator that learns nothing beyond the events ([`NoLookup`]); see [`Self::with_lookup`].
     pub fn new(threshold_ns: u64) -> Self {
         Self {
+            procs: HashMap::new(),
+            events: 0,
+            decode_errors: 0,
+            forgotten: 0,
+            forgotten_abandoned: 0,
+            budget: Budget::default(),
+            pending_limit: None,
+            used: Used::default(),
+            evicted: Evicted::default(),
             threshold_ns,
-            ..Default::default()
+            exited_order: VecDeque::new(),
+            gpu_out: Vec::new(),
+            cupti_changes: Vec::new(),
+            lookup: Box::new(NoLookup),
         }
+    }
+
+    /// Where process names and fd targets come from (`procinfo` on a live system).
+    pub fn with_lookup(mut self, lookup: Box<dyn Lookup>) -> Self {
+        self.lookup = lookup;
+        self
     }
 
     /// Sets the global table budgets from `--memory-limit-mb` and the ring buffer's size; they
@@ -506,10 +553,10 @@ impl Correlator {
     pub fn observe(&mut self, ev: &mut Event) {
         self.events += 1;
         if let Some((mb, ring)) = self.pending_limit.take() {
-            self.budget = Budget::derive(mb, resident_bytes(), ring);
+            self.budget = Budget::derive(mb, self.lookup.own_resident_bytes(), ring);
         }
         let threshold = self.threshold_ns;
-        let (budget, used, evicted) = (&self.budget, &mut self.used, &mut self.evicted);
+        let (budget, used, evicted, lookup) = (&self.budget, &mut self.used, &mut self.evicted, &*self.lookup);
         // The CUPTI join's share of the budget, borrowed where it is needed.
         macro_rules! pool {
             () => {
@@ -526,18 +573,17 @@ impl Correlator {
             .entry(ev.pid)
             .or_insert_with(|| Process::new(ev.pid, ev.ts_ns));
         // GPU records come from the injection library's own threads: their names are not the
-        // process's (read it from /proc the first time, if nothing else named the process).
+        // process's (look it up the first time, if nothing else named the process).
         let hook = matches!(ev.body, Body::Gpu(_) | Body::GpuName { .. });
+        p.changed = true;
         if hook {
             if p.comm.is_empty() {
-                p.comm = std::fs::read_to_string(format!("/proc/{}/comm", ev.pid))
-                    .map(|c| c.trim_end().to_string())
-                    .unwrap_or_default();
+                p.comm = lookup.comm(ev.pid).unwrap_or_default();
             }
         } else if p.comm.is_empty() || ev.tid == ev.pid {
             let comm = ev.comm();
-            if p.comm != comm {
-                p.comm = comm.to_string();
+            if p.comm != *comm {
+                p.comm = comm.into_owned();
             }
         }
         p.first_ts = p.first_ts.min(ev.ts_ns);
@@ -556,8 +602,8 @@ impl Correlator {
                         Some(k) => {
                             p.stats.named_launches += 1;
                             let key = Arc::as_ptr(k) as usize;
-                            if p.stats.kernels.len() < MAX_NAMES || p.stats.kernels.contains_key(&key) {
-                                p.stats.kernels.entry(key).or_insert_with(|| (k.clone(), 0)).1 += 1;
+                            if p.kernels.len() < MAX_NAMES || p.kernels.contains_key(&key) {
+                                p.kernels.entry(key).or_insert_with(|| (k.clone(), 0)).1 += 1;
                             }
                         }
                         None => p.stats.unresolved_launches += 1,
@@ -584,7 +630,7 @@ impl Correlator {
                 } else if c.result != 0 {
                     p.stats.failed_calls += 1;
                 }
-                if matches!(spec.family, Family::Memcpy | Family::Memset | Family::Sync) && c.duration_ns > threshold {
+                if rules::sampled_by_duration(spec.family) && rules::is_slow(c.duration_ns, threshold) {
                     p.stats.slow_calls += 1;
                 }
                 Self::call(p, spec.family, spec.name, c, budget, used, evicted);
@@ -606,7 +652,12 @@ impl Correlator {
                 let comm = p.comm_bytes();
                 let g = p.gpu.get_or_insert_with(Default::default);
                 if let Some(status) = g.record(ev.pid, comm, rec, &mut self.gpu_out, pool!()) {
-                    self.cupti_changes.push((ev.pid, ev.ts_ns, p.comm.clone(), status));
+                    self.cupti_changes.push(CuptiChange {
+                        pid: ev.pid,
+                        ts_ns: ev.ts_ns,
+                        comm: p.comm.clone(),
+                        status,
+                    });
                 }
             }
             Body::GpuName { key, name } => {
@@ -615,7 +666,7 @@ impl Correlator {
                     .name(*key, name.clone(), pool!());
             }
             Body::Ioctl(i) => {
-                i.device = p.device(i.fd);
+                i.device = p.device(i.fd, lookup);
                 let uvm = i.device.as_deref().is_some_and(|d| d.ends_with("nvidia-uvm"));
                 i.name = crate::ioctl_names::name(i.cmd, uvm);
                 let s = &mut p.stats;
@@ -696,8 +747,7 @@ impl Correlator {
                     Some(HostMemory::Pageable) => p.stats.pageable_copies += 1,
                     None => {}
                 }
-                let i = DIRECTIONS.iter().position(|d| *d == c.direction).unwrap_or(3);
-                p.stats.copies[i].add(c.bytes.unwrap_or(0), c.duration_ns);
+                p.stats.copies[c.direction.index()].add(c.bytes.unwrap_or(0), c.duration_ns);
             }
             Family::Memset => p.stats.memsets.add(c.bytes.unwrap_or(0), c.duration_ns),
             Family::Alloc => {
@@ -712,12 +762,15 @@ impl Correlator {
                     if !known {
                         used.allocs += 1;
                     }
-                    if let Some(old) = p.live.insert(addr, Alloc { bytes, mem: c.mem, api }) {
+                    let a = Alloc { bytes, mem: c.mem, api };
+                    if let Some(old) = p.live.insert(addr, a) {
                         // Re-registration of the same address: replace, not double count.
                         let live = p.stats.live_mut(old.mem);
                         *live = live.saturating_sub(old.bytes);
                         p.stats.live_allocs -= 1;
+                        p.tally(old, false);
                     }
+                    p.tally(a, true);
                     *p.stats.live_mut(c.mem) += bytes;
                     p.stats.live_allocs += 1;
                     p.memory_dirty = true;
@@ -733,6 +786,7 @@ impl Correlator {
                     Some(a) => {
                         c.bytes = Some(a.bytes);
                         if ok {
+                            p.tally(a, false);
                             let live = p.stats.live_mut(a.mem);
                             *live = live.saturating_sub(a.bytes);
                             p.stats.live_allocs -= 1;
@@ -785,7 +839,7 @@ impl Correlator {
         let before = if now_ns == u64::MAX {
             u64::MAX
         } else {
-            now_ns.saturating_sub(gpu::PENDING_AGE_NS)
+            now_ns.saturating_sub(cupti_join::PENDING_AGE_NS)
         };
         let (budget, used, evicted) = (&self.budget, &mut self.used, &mut self.evicted);
         for p in self.procs.values_mut() {
@@ -799,6 +853,7 @@ impl Correlator {
             };
             if g.has_pending() {
                 g.expire(p.pid, comm, before, &mut self.gpu_out, &mut pool);
+                p.changed = true;
             }
             if now_ns != u64::MAX {
                 g.age(now_ns, &mut pool);

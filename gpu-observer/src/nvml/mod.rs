@@ -1,31 +1,32 @@
 //! The NVML sampler: its own thread, sampling every device (and the processes on it) each
-//! interval, into a bounded history (seed 002: 600 samples per device) that the terminal view,
-//! the summaries and the JSON lines read.
+//! interval, into a bounded history (600 samples per device, docs/DESIGN.md "Defaults"). The
+//! thread owns that state; after each round it publishes an immutable copy ([`View`]) that the
+//! reader puts into its snapshots, and sends the samples to be written over a bounded channel.
 //!
 //! A thread of its own because NVML calls block (some for milliseconds), and nothing here may
 //! delay the ring-buffer reader. Without NVML (no driver, no library) the observer runs on and
 //! says so; a metric a GPU lacks is absent, never 0.
 
-pub mod nvml;
+pub mod query;
 
 use std::{
     collections::{HashMap, VecDeque},
     path::PathBuf,
-    sync::{Arc, Mutex, mpsc},
+    sync::{Arc, mpsc},
     thread::JoinHandle,
     time::{Duration, Instant},
 };
 
-pub use nvml::{DeviceInfo, DeviceSample, ProcessSample, QUERIES, QUERY_NAMES, QueryStat};
+pub use query::{DeviceInfo, DeviceSample, ProcessSample, QUERIES, QUERY_NAMES, QueryStat};
 
-/// Seed 002: 60 s of history at 100 ms.
+/// 60 s of history at 100 ms.
 pub const HISTORY: usize = 600;
-/// Lines waiting for the JSON writer; more are counted as dropped (the writer drains every
-/// 10 ms, so this only fills when the output is stuck).
+/// Lines waiting for the sinks; more are counted as dropped (the reader drains every 10 ms,
+/// so this only fills when the output is stuck).
 const PENDING_MAX: usize = 8192;
 /// Processes remembered for the summary; the longest unseen go first.
 const PROCS_MAX: usize = 4096;
-/// The tiers of [`nvml::Tiers`], by what each query costs (the budget: < 0.1 % of a
+/// The tiers of [`query::Tiers`], by what each query costs (the budget: < 0.1 % of a
 /// core at a 100 ms interval).
 const MEDIUM_INTERVAL: Duration = Duration::from_millis(500);
 const SLOW_INTERVAL: Duration = Duration::from_secs(2);
@@ -144,7 +145,8 @@ pub struct DeviceTotals {
     pub throttled_samples: u64,
 }
 
-/// A line for the JSON writer.
+/// A sample for the sinks.
+#[derive(Clone, Debug)]
 pub enum Line {
     /// A device's description, when the sampler started (ts_ns).
     Info(DeviceInfo, u64),
@@ -171,33 +173,44 @@ impl Cost {
     }
 }
 
-pub struct HubState {
+/// What the sampler knows, as published after each round (cheap to clone: the history holds
+/// shared samples).
+#[derive(Clone, Debug)]
+pub struct View {
     pub state: State,
     /// Why NVML is unavailable, or which library is in use.
     pub message: String,
     pub interval: Duration,
     pub devices: Vec<DeviceInfo>,
-    pub history: Vec<VecDeque<DeviceSample>>,
+    pub history: Vec<VecDeque<Arc<DeviceSample>>>,
     pub totals: Vec<DeviceTotals>,
     pub procs: HashMap<u32, ProcUse>,
-    pub pending: VecDeque<(Line, Option<String>)>,
+    /// Samples the sinks did not get because the channel was full.
     pub lines_dropped: u64,
     pub cost: Cost,
-    /// JSON lines output: queue every sample for the writer.
-    lines: bool,
     /// With `--pid`: only this process's per-process lines are written.
     pid: Option<u32>,
 }
 
-/// Shared between the sampler thread and its readers.
+/// A sample on its way to the sinks, with the process's command name for per-process ones.
+pub type Pending = (Line, Option<String>);
+pub type LineSender = mpsc::SyncSender<Pending>;
+pub type LineReceiver = mpsc::Receiver<Pending>;
+
+/// The bounded channel samples reach the sinks by (only when a sink writes them).
+pub fn lines() -> (LineSender, LineReceiver) {
+    mpsc::sync_channel(PENDING_MAX)
+}
+
+/// Where the sampler publishes its [`View`]; readers never wait on the sampler.
 pub struct Hub {
-    pub inner: Mutex<HubState>,
+    view: arc_swap::ArcSwap<View>,
 }
 
 impl Hub {
-    pub fn new(state: State, interval: Duration, lines: bool, pid: Option<u32>) -> Self {
-        Self {
-            inner: Mutex::new(HubState {
+    pub fn new(state: State, interval: Duration, pid: Option<u32>) -> Arc<Self> {
+        Arc::new(Self {
+            view: arc_swap::ArcSwap::from_pointee(View {
                 state,
                 message: String::new(),
                 interval,
@@ -205,46 +218,52 @@ impl Hub {
                 history: Vec::new(),
                 totals: Vec::new(),
                 procs: HashMap::new(),
-                pending: VecDeque::new(),
                 lines_dropped: 0,
                 cost: Cost::default(),
-                lines,
                 pid,
             }),
-        }
+        })
     }
 
-    pub fn lock(&self) -> std::sync::MutexGuard<'_, HubState> {
-        self.inner.lock().expect("nvml hub lock")
+    /// The latest published state.
+    pub fn view(&self) -> Arc<View> {
+        self.view.load_full()
+    }
+
+    fn publish(&self, v: &View) {
+        self.view.store(Arc::new(v.clone()));
     }
 }
 
-impl HubState {
+/// The sampler thread's own state: what it publishes, and where samples go.
+struct Recorder {
+    view: View,
+    lines: Option<LineSender>,
+}
+
+impl Recorder {
     fn queue(&mut self, line: Line, comm: Option<String>) {
-        if !self.lines {
-            return;
+        let Some(tx) = &self.lines else { return };
+        if tx.try_send((line, comm)).is_err() {
+            self.view.lines_dropped += 1;
         }
-        if self.pending.len() >= PENDING_MAX {
-            self.lines_dropped += 1;
-            return;
-        }
-        self.pending.push_back((line, comm));
     }
 
     fn started(&mut self, devices: Vec<DeviceInfo>, message: String) {
-        self.state = State::Active;
-        self.message = message;
-        self.history = devices.iter().map(|_| VecDeque::with_capacity(HISTORY)).collect();
-        self.totals = vec![DeviceTotals::default(); devices.len()];
+        let v = &mut self.view;
+        v.state = State::Active;
+        v.message = message;
+        v.history = devices.iter().map(|_| VecDeque::with_capacity(HISTORY)).collect();
+        v.totals = vec![DeviceTotals::default(); devices.len()];
         for d in &devices {
-            self.queue(Line::Info(d.clone(), crate::pipeline::monotonic_ns()), None);
+            self.queue(Line::Info(d.clone(), crate::clock::monotonic_ns()), None);
         }
-        self.devices = devices;
+        self.view.devices = devices;
     }
 
     fn record(&mut self, s: DeviceSample) {
         let i = s.device as usize;
-        let t = &mut self.totals[i];
+        let Some(t) = self.view.totals.get_mut(i) else { return };
         t.samples += 1;
         t.util_gpu.add(s.util_gpu.map(f64::from));
         t.util_memory.add(s.util_memory.map(f64::from));
@@ -256,30 +275,32 @@ impl HubState {
         if s.throttle_reasons.is_some_and(|r| r & !0x1 != 0) {
             t.throttled_samples += 1;
         }
-        let h = &mut self.history[i];
-        if h.len() == HISTORY {
-            h.pop_front();
+        if let Some(h) = self.view.history.get_mut(i) {
+            if h.len() == HISTORY {
+                h.pop_front();
+            }
+            h.push_back(Arc::new(s.clone()));
         }
-        h.push_back(s.clone());
         self.queue(Line::Device(s), None);
     }
 
     /// One round of process samples (all devices), `ts_ns` the round's time.
-    fn record_procs(&mut self, ts_ns: u64, procs: Vec<ProcessSample>) {
+    fn record_procs(&mut self, ts_ns: u64, procs: Vec<ProcessSample>, procinfo: &crate::procinfo::ProcInfo) {
         // Latest memory is the sum over the devices of this round.
         let mut round: HashMap<u32, u64> = HashMap::new();
         for p in &procs {
             *round.entry(p.pid).or_default() += p.memory_bytes.unwrap_or(0);
         }
         for p in procs {
-            if !self.procs.contains_key(&p.pid) && self.procs.len() >= PROCS_MAX {
-                let oldest = self.procs.iter().min_by_key(|(_, u)| u.last_ns).map(|(pid, _)| *pid);
+            let v = &mut self.view;
+            if !v.procs.contains_key(&p.pid) && v.procs.len() >= PROCS_MAX {
+                let oldest = v.procs.iter().min_by_key(|(_, u)| u.last_ns).map(|(pid, _)| *pid);
                 if let Some(pid) = oldest {
-                    self.procs.remove(&pid);
+                    v.procs.remove(&pid);
                 }
             }
-            let u = self.procs.entry(p.pid).or_insert_with(|| ProcUse {
-                comm: comm_of(p.pid),
+            let u = v.procs.entry(p.pid).or_insert_with(|| ProcUse {
+                comm: procinfo.comm(p.pid).unwrap_or_default(),
                 ..ProcUse::default()
             });
             if let Err(at) = u.devices.binary_search(&p.device) {
@@ -295,12 +316,14 @@ impl HubState {
             u.sm_util_last = p.util_sm;
             u.last_ns = ts_ns;
             let comm = u.comm.clone();
-            if self.wants(p.pid) {
+            if v.wants(p.pid) {
                 self.queue(Line::Process(p), Some(comm));
             }
         }
     }
+}
 
+impl View {
     /// Whether a process is in the observer's scope (`--pid`).
     pub fn wants(&self, pid: u32) -> bool {
         self.pid.is_none_or(|p| p == pid)
@@ -308,14 +331,11 @@ impl HubState {
 
     /// The latest sample of each device.
     pub fn latest(&self) -> impl Iterator<Item = (&DeviceInfo, Option<&DeviceSample>)> {
-        self.devices.iter().zip(self.history.iter()).map(|(d, h)| (d, h.back()))
+        self.devices
+            .iter()
+            .zip(self.history.iter())
+            .map(|(d, h)| (d, h.back().map(|s| &**s)))
     }
-}
-
-fn comm_of(pid: u32) -> String {
-    std::fs::read_to_string(format!("/proc/{pid}/comm"))
-        .map(|s| s.trim_end().to_string())
-        .unwrap_or_default()
 }
 
 /// The running sampler thread.
@@ -325,11 +345,16 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    pub fn spawn(cfg: Config, hub: Arc<Hub>) -> std::io::Result<Self> {
+    /// Starts sampling; samples go to `lines` when a sink writes them.
+    pub fn spawn(cfg: Config, hub: Arc<Hub>, lines: Option<LineSender>) -> std::io::Result<Self> {
         let (stop, stopped) = mpsc::channel();
+        let mut rec = Recorder {
+            view: (*hub.view()).clone(),
+            lines,
+        };
         let handle = std::thread::Builder::new()
             .name("nvml-sampler".into())
-            .spawn(move || run(cfg, &hub, &stopped))?;
+            .spawn(move || run(cfg, &hub, &mut rec, &stopped))?;
         Ok(Self { stop, handle })
     }
 
@@ -350,19 +375,15 @@ impl Sampler {
     }
 }
 
-/// CPU time of the calling thread (what the sampler costs, NVML's work in it included).
-fn thread_cpu_ns() -> u64 {
-    crate::pipeline::clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)
-}
-
-fn run(cfg: Config, hub: &Hub, stopped: &mpsc::Receiver<()>) {
-    let nvml = match nvml::open(cfg.lib.as_deref()).and_then(|n| n.discover().map(|d| (n, d))) {
+fn run(cfg: Config, hub: &Hub, rec: &mut Recorder, stopped: &mpsc::Receiver<()>) {
+    let procinfo = crate::procinfo::ProcInfo::host();
+    let nvml = match query::open(cfg.lib.as_deref()).and_then(|n| n.discover().map(|d| (n, d))) {
         Ok(v) => v,
         Err(why) => {
             eprintln!("gpu-observer: NVML unavailable: {why}; GPU device metrics are off, everything else runs");
-            let mut h = hub.lock();
-            h.state = State::Unavailable;
-            h.message = why;
+            rec.view.state = State::Unavailable;
+            rec.view.message = why;
+            hub.publish(&rec.view);
             return;
         }
     };
@@ -376,9 +397,10 @@ fn run(cfg: Config, hub: &Hub, stopped: &mpsc::Receiver<()>) {
         cfg.interval.as_millis()
     );
     let count = devices.len() as u32;
-    hub.lock().started(devices, format!("NVML from {}", nvml.path));
-    let mut sampler = nvml::Sampler::new(&nvml, count);
-    let (cpu0, wall0) = (thread_cpu_ns(), Instant::now());
+    rec.started(devices, format!("NVML from {}", nvml.path));
+    hub.publish(&rec.view);
+    let mut sampler = query::Sampler::new(&nvml, count);
+    let (cpu0, wall0) = (crate::clock::thread_cpu_ns(), Instant::now());
     let mut next = Instant::now();
     let mut medium = Every::new(MEDIUM_INTERVAL, cfg.interval);
     let mut slow = Every::new(SLOW_INTERVAL, cfg.interval);
@@ -386,9 +408,9 @@ fn run(cfg: Config, hub: &Hub, stopped: &mpsc::Receiver<()>) {
     let mut rare = Every::new(RARE_INTERVAL, cfg.interval);
     let mut procs = Vec::new();
     loop {
-        let ts_ns = crate::pipeline::monotonic_ns();
+        let ts_ns = crate::clock::monotonic_ns();
         let now = Instant::now();
-        let tiers = nvml::Tiers {
+        let tiers = query::Tiers {
             medium: medium.due(now),
             slow: slow.due(now),
             pcie: pcie.due(now),
@@ -397,19 +419,17 @@ fn run(cfg: Config, hub: &Hub, stopped: &mpsc::Receiver<()>) {
         let samples: Vec<DeviceSample> = (0..count as usize)
             .filter_map(|i| sampler.sample(i, ts_ns, tiers, &mut procs))
             .collect();
-        {
-            let mut h = hub.lock();
-            for s in samples {
-                h.record(s);
-            }
-            h.record_procs(ts_ns, std::mem::take(&mut procs));
-            h.cost = Cost {
-                samples: h.cost.samples + 1,
-                cpu_ns: thread_cpu_ns() - cpu0,
-                wall_ns: wall0.elapsed().as_nanos() as u64,
-                stats: sampler.stats,
-            };
+        for s in samples {
+            rec.record(s);
         }
+        rec.record_procs(ts_ns, std::mem::take(&mut procs), &procinfo);
+        rec.view.cost = Cost {
+            samples: rec.view.cost.samples + 1,
+            cpu_ns: crate::clock::thread_cpu_ns() - cpu0,
+            wall_ns: wall0.elapsed().as_nanos() as u64,
+            stats: sampler.stats,
+        };
+        hub.publish(&rec.view);
         next += cfg.interval;
         let now = Instant::now();
         if next < now {
@@ -421,9 +441,9 @@ fn run(cfg: Config, hub: &Hub, stopped: &mpsc::Receiver<()>) {
             _ => break,
         }
     }
-    let mut h = hub.lock();
-    h.cost.cpu_ns = thread_cpu_ns() - cpu0;
-    h.cost.wall_ns = wall0.elapsed().as_nanos() as u64;
+    rec.view.cost.cpu_ns = crate::clock::thread_cpu_ns() - cpu0;
+    rec.view.cost.wall_ns = wall0.elapsed().as_nanos() as u64;
+    hub.publish(&rec.view);
 }
 
 #[cfg(test)]
@@ -439,11 +459,17 @@ mod tests {
         }
     }
 
+    fn recorder(pid: Option<u32>, lines: Option<LineSender>) -> Recorder {
+        Recorder {
+            view: (*Hub::new(State::Starting, Duration::from_millis(100), pid).view()).clone(),
+            lines,
+        }
+    }
+
     #[test]
     fn history_keeps_the_last_600_samples_and_totals_keep_all() {
-        let hub = Hub::new(State::Starting, Duration::from_millis(100), false, None);
-        let mut h = hub.lock();
-        h.started(
+        let mut rec = recorder(None, None);
+        rec.started(
             vec![DeviceInfo {
                 index: 0,
                 ..DeviceInfo::default()
@@ -451,8 +477,9 @@ mod tests {
             String::new(),
         );
         for i in 0..(HISTORY as u64 + 5) {
-            h.record(sample(0, i, (i % 2 == 0).then_some(50)));
+            rec.record(sample(0, i, (i % 2 == 0).then_some(50)));
         }
+        let h = &rec.view;
         assert_eq!(h.history[0].len(), HISTORY);
         assert_eq!(h.history[0].front().unwrap().memory_used, Some(5));
         assert_eq!(h.history[0].back().unwrap().memory_used, Some(HISTORY as u64 + 4));
@@ -462,8 +489,8 @@ mod tests {
         // Samples without utilization do not pull the mean down.
         assert_eq!(t.util_gpu.n, 303);
         assert_eq!(t.util_gpu.mean(), Some(50.0));
-        // No JSON output: nothing queued.
-        assert!(h.pending.is_empty());
+        // No sink wants samples: nothing queued, nothing dropped.
+        assert_eq!(h.lines_dropped, 0);
     }
 
     #[test]
@@ -474,9 +501,10 @@ mod tests {
 
     #[test]
     fn process_memory_sums_devices_and_the_pid_filter_limits_lines() {
-        let hub = Hub::new(State::Starting, Duration::from_millis(100), true, Some(7));
-        let mut h = hub.lock();
-        h.started(Vec::new(), String::new());
+        let (tx, rx) = lines();
+        let mut rec = recorder(Some(7), Some(tx));
+        rec.started(Vec::new(), String::new());
+        let info = crate::procinfo::ProcInfo::host();
         let p = |pid, device, mem, sm| ProcessSample {
             pid,
             device,
@@ -484,14 +512,19 @@ mod tests {
             util_sm: sm,
             ..ProcessSample::default()
         };
-        h.record_procs(1, vec![p(7, 0, 100, Some(10)), p(7, 1, 50, None), p(8, 0, 9, Some(90))]);
-        h.record_procs(2, vec![p(7, 0, 20, Some(30))]);
+        rec.record_procs(
+            1,
+            vec![p(7, 0, 100, Some(10)), p(7, 1, 50, None), p(8, 0, 9, Some(90))],
+            &info,
+        );
+        rec.record_procs(2, vec![p(7, 0, 20, Some(30))], &info);
+        let h = &rec.view;
         let u = &h.procs[&7];
         assert_eq!(u.devices, [0, 1]);
         assert_eq!((u.memory_bytes, u.memory_max_bytes), (20, 150));
         assert_eq!((u.sm_util_mean(), u.sm_util_max), (Some(20.0), 30));
         assert_eq!(h.procs[&8].sm_util_max, 90);
         // Only pid 7's three lines are queued.
-        assert_eq!(h.pending.len(), 3);
+        assert_eq!(rx.try_iter().count(), 3);
     }
 }

@@ -14,17 +14,18 @@
 //! Metrics are observable instruments read from the correlator and the NVML hub by the SDK's
 //! periodic reader; the one histogram (kernel GPU time) is recorded by the export thread.
 
+mod metrics;
+
 use std::{
     borrow::Cow,
     collections::{HashMap, VecDeque},
-    path::Path,
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
         mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel},
     },
     thread::JoinHandle,
-    time::{Duration, Instant, SystemTime},
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result};
@@ -43,11 +44,13 @@ use opentelemetry_sdk::{
 };
 
 use crate::{
-    correlate::{direction_name, gpu::GpuActivity},
+    clock::{WallClock, monotonic_ns},
+    correlate::cupti_join::GpuActivity,
     decode::{Body, Event},
     export::attributes,
-    pipeline::Shared,
-    sample::Hub,
+    nvml,
+    procinfo::ProcInfo,
+    snapshot::Snapshots,
 };
 
 /// Kernel names that get their own label on the GPU-time histogram; the rest are `other`.
@@ -67,10 +70,6 @@ const MAX_WINDOWS: usize = 4096;
 /// kernels past either are labelled `other`.
 const KERNEL_LABELS: usize = 4096;
 const KERNEL_LABEL_BYTES: usize = 256 << 10;
-/// The longest command line kept as `process.command_line` (bytes read from
-/// /proc/PID/cmdline); longer ones are cut, end with `…` and carry
-/// `gpu_observer.command_line_truncated`.
-pub const MAX_COMMAND_LINE: usize = 4096;
 /// Process attribute sets cached, and their bytes; past either the cache is emptied (they are
 /// read again from /proc when next needed).
 const PROC_ATTRS_ENTRIES: usize = 4096;
@@ -143,21 +142,35 @@ impl Drop for BackgroundRuntime {
 /// The reader thread's handle: hands events over, never blocks.
 #[derive(Clone)]
 pub struct Sender {
-    tx: SyncSender<Item>,
+    /// `None` once closed: the span thread ends when every sender is gone.
+    tx: Option<SyncSender<Item>>,
     counters: Arc<Counters>,
 }
 
-impl Sender {
-    pub fn event(&self, ev: &Event) {
+impl crate::export::Sink for Sender {
+    fn describe(&self) -> String {
+        "OTLP spans".into()
+    }
+
+    /// Never fails: a full queue is a counted drop.
+    fn event(&mut self, ev: &Event) -> Result<()> {
         self.offer(Item::Event(ev.clone()));
+        Ok(())
     }
 
-    pub fn gpu(&self, a: &GpuActivity) {
+    fn gpu(&mut self, a: &GpuActivity) -> Result<()> {
         self.offer(Item::Gpu(a.clone()));
+        Ok(())
     }
 
+    fn close(&mut self) {
+        self.tx = None;
+    }
+}
+
+impl Sender {
     fn offer(&self, item: Item) {
-        if self.tx.try_send(item).is_err() {
+        if self.tx.as_ref().is_none_or(|tx| tx.try_send(item).is_err()) {
             self.counters.spans_dropped.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -183,7 +196,7 @@ impl Counters {
 impl Otlp {
     pub fn sender(&self) -> Option<Sender> {
         Some(Sender {
-            tx: self.tx.clone()?,
+            tx: Some(self.tx.clone()?),
             counters: self.counters.clone(),
         })
     }
@@ -201,36 +214,6 @@ impl Otlp {
     }
 }
 
-/// CLOCK_MONOTONIC ns → wall time, with the offset of now.
-#[derive(Clone, Copy)]
-struct Clock {
-    mono_ns: u64,
-    wall: SystemTime,
-}
-
-impl Clock {
-    fn now() -> Self {
-        Self {
-            mono_ns: crate::pipeline::monotonic_ns(),
-            wall: SystemTime::now(),
-        }
-    }
-
-    fn wall(&self, mono_ns: u64) -> SystemTime {
-        if mono_ns >= self.mono_ns {
-            self.wall + Duration::from_nanos(mono_ns - self.mono_ns)
-        } else {
-            self.wall - Duration::from_nanos(self.mono_ns - mono_ns)
-        }
-    }
-}
-
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default()
-}
-
 /// Resource: who exports. `OTEL_SERVICE_NAME` / `OTEL_RESOURCE_ATTRIBUTES` are read by the SDK.
 fn resource(backends: &str, driver: Option<String>, cuda: Option<String>) -> Resource {
     let mut attrs = vec![KeyValue::new("gpu.tracing.backends", backends.to_string())];
@@ -239,7 +222,10 @@ fn resource(backends: &str, driver: Option<String>, cuda: Option<String>) -> Res
     // OTEL_RESOURCE_ATTRIBUTES wins over both.
     let from_env = std::env::var("OTEL_RESOURCE_ATTRIBUTES").unwrap_or_default();
     if !from_env.split(',').any(|kv| kv.trim_start().starts_with("host.name=")) {
-        attrs.push(KeyValue::new("host.name", node.clone().unwrap_or_else(hostname)));
+        attrs.push(KeyValue::new(
+            "host.name",
+            node.clone().unwrap_or_else(|| ProcInfo::host().hostname()),
+        ));
     }
     if let Some(node) = node {
         attrs.push(KeyValue::new("k8s.node.name", node));
@@ -257,52 +243,10 @@ fn resource(backends: &str, driver: Option<String>, cuda: Option<String>) -> Res
     b.with_attributes(attrs).build()
 }
 
-/// Kubernetes identity of a process, from its cgroup path and the kubelet's log symlinks
-/// (`/var/log/containers/<pod>_<namespace>_<container>-<id>.log`, mounted into the DaemonSet).
-pub fn k8s_attributes(pid: u32, proc_root: &Path, log_dir: &Path) -> Vec<KeyValue> {
-    let Ok(cg) = std::fs::read_to_string(proc_root.join(format!("{pid}/cgroup"))) else {
-        return Vec::new();
-    };
-    let Some(id) = container_id(&cg) else { return Vec::new() };
-    let mut out = vec![KeyValue::new("container.id", id.clone())];
-    let suffix = format!("-{id}.log");
-    if let Ok(dir) = std::fs::read_dir(log_dir) {
-        for e in dir.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let Some(stem) = name.strip_suffix(&suffix) else {
-                continue;
-            };
-            let mut parts = stem.splitn(3, '_');
-            if let (Some(pod), Some(ns), Some(container)) = (parts.next(), parts.next(), parts.next()) {
-                out.push(KeyValue::new("k8s.pod.name", pod.to_string()));
-                out.push(KeyValue::new("k8s.namespace.name", ns.to_string()));
-                out.push(KeyValue::new("k8s.container.name", container.to_string()));
-            }
-            break;
-        }
-    }
-    out
-}
-
-/// The 64-hex container id in a cgroup file (`cri-containerd-<id>.scope`, `docker-<id>.scope`,
-/// `crio-<id>.scope`, or a bare `/<id>` path element).
-fn container_id(cgroup: &str) -> Option<String> {
-    for line in cgroup.lines() {
-        let path = line.rsplit(':').next()?;
-        for part in path.rsplit('/') {
-            let part = part.strip_suffix(".scope").unwrap_or(part);
-            let id = part.rsplit(['-', ':']).next().unwrap_or(part);
-            if id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit()) {
-                return Some(id.to_string());
-            }
-        }
-    }
-    None
-}
-
 /// Attributes of a process (pid, executable, command line when asked, Kubernetes identity),
 /// computed once per pid; shared by the span thread and the metric callbacks.
 pub struct ProcAttrs {
+    info: ProcInfo,
     cache: HashMap<u32, Arc<Vec<KeyValue>>>,
     /// Bytes of the strings in `cache` (about).
     bytes: usize,
@@ -314,6 +258,7 @@ pub type SharedProcAttrs = Arc<std::sync::Mutex<ProcAttrs>>;
 impl ProcAttrs {
     pub fn new(command_line: bool) -> SharedProcAttrs {
         Arc::new(std::sync::Mutex::new(Self {
+            info: ProcInfo::host(),
             cache: HashMap::new(),
             bytes: 0,
             command_line,
@@ -334,30 +279,30 @@ impl ProcAttrs {
             self.cache = HashMap::new();
             self.bytes = 0;
         }
-        let cl = self.command_line;
+        let (cl, info) = (self.command_line, &self.info);
         let v = self
             .cache
             .entry(pid)
             .or_insert_with(|| {
-                let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
-                    .ok()
-                    .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-                    .unwrap_or_else(|| comm.to_string());
+                let exe = info.exe_name(pid).unwrap_or_else(|| comm.to_string());
                 let mut v = vec![
                     KeyValue::new("process.pid", i64::from(pid)),
                     KeyValue::new("process.executable.name", exe),
                 ];
-                if cl && let Some((line, truncated)) = command_line(Path::new(&format!("/proc/{pid}/cmdline"))) {
+                if cl && let Some((line, truncated)) = info.command_line(pid) {
                     v.push(KeyValue::new("process.command_line", line));
                     if truncated {
                         v.push(KeyValue::new("gpu_observer.command_line_truncated", true));
                     }
                 }
-                v.extend(k8s_attributes(
-                    pid,
-                    Path::new("/proc"),
-                    Path::new("/var/log/containers"),
-                ));
+                if let Some(c) = info.container(pid) {
+                    v.push(KeyValue::new("container.id", c.id));
+                    if let Some((pod, ns, container)) = c.pod {
+                        v.push(KeyValue::new("k8s.pod.name", pod));
+                        v.push(KeyValue::new("k8s.namespace.name", ns));
+                        v.push(KeyValue::new("k8s.container.name", container));
+                    }
+                }
                 Arc::new(v)
             })
             .clone();
@@ -371,27 +316,6 @@ fn attrs_bytes(v: &[KeyValue]) -> usize {
     v.iter()
         .map(|kv| 64 + kv.key.as_str().len() + kv.value.as_str().len())
         .sum()
-}
-
-/// A process's command line, arguments joined by spaces, read up to [`MAX_COMMAND_LINE`]
-/// bytes (any process can make its own megabytes long); `true` when it was cut there.
-fn command_line(path: &Path) -> Option<(String, bool)> {
-    use std::io::Read;
-    let f = std::fs::File::open(path).ok()?;
-    let mut c = Vec::with_capacity(MAX_COMMAND_LINE + 1);
-    f.take(MAX_COMMAND_LINE as u64 + 1).read_to_end(&mut c).ok()?;
-    let truncated = c.len() > MAX_COMMAND_LINE;
-    c.truncate(MAX_COMMAND_LINE);
-    let args: Vec<String> = c
-        .split(|&b| b == 0)
-        .filter(|a| !a.is_empty())
-        .map(|a| String::from_utf8_lossy(a).into_owned())
-        .collect();
-    let mut line = args.join(" ");
-    if truncated {
-        line.push('…');
-    }
-    Some((line, truncated))
 }
 
 /// A metric exporter that counts its exports and failures.
@@ -448,7 +372,7 @@ fn configure<B: WithExportConfig>(b: B, cfg: &Config, path: &str) -> B {
 
 /// Starts the exporter: builds both OTLP exporters (errors here are configuration errors),
 /// the metric instruments and the span thread.
-pub fn start(cfg: Config, shared: Arc<Shared>, hub: Arc<Hub>, backends: &str) -> Result<Otlp> {
+pub fn start(cfg: Config, snapshots: Snapshots, gpus: &nvml::View, backends: &str) -> Result<Otlp> {
     let rt = BackgroundRuntime(Some(
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -459,8 +383,7 @@ pub fn start(cfg: Config, shared: Arc<Shared>, hub: Arc<Hub>, backends: &str) ->
     ));
     let handle = rt.0.as_ref().expect("just built").handle().clone();
     let _guard = handle.enter();
-    let (driver, cuda) = hub
-        .lock()
+    let (driver, cuda) = gpus
         .devices
         .first()
         .map(|d| (d.driver_version.clone(), d.cuda_driver_version.clone()))
@@ -512,7 +435,7 @@ pub fn start(cfg: Config, shared: Arc<Shared>, hub: Arc<Hub>, backends: &str) ->
         .with_reader(reader)
         .build();
     let procs = ProcAttrs::new(cfg.command_line);
-    let kernel_time = super::otlp_metrics::register(&meters, &shared, &hub, &counters, &procs);
+    let kernel_time = metrics::register(&meters, &snapshots, &counters, &procs);
     let (tx, rx) = sync_channel(cfg.queue);
     let c = counters.clone();
     let thread = std::thread::Builder::new().name("otlp-export".into()).spawn({
@@ -552,7 +475,7 @@ struct PendingIoctl {
 struct Spans {
     cfg: Config,
     counters: Arc<Counters>,
-    clock: Clock,
+    clock: WallClock,
     windows: HashMap<u32, Window>,
     ioctls: HashMap<u32, VecDeque<PendingIoctl>>,
     /// Ioctls in `ioctls`, all threads.
@@ -575,7 +498,7 @@ impl Spans {
         Self {
             cfg,
             counters,
-            clock: Clock::now(),
+            clock: WallClock::now(),
             windows: HashMap::new(),
             ioctls: HashMap::new(),
             ioctls_pending: 0,
@@ -601,7 +524,7 @@ impl Spans {
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => break,
             }
-            let now = crate::pipeline::monotonic_ns();
+            let now = monotonic_ns();
             self.close_windows(now, false);
             if self.batch.len() >= BATCH || last_export.elapsed() >= Duration::from_secs(1) {
                 self.export(exp, rt, 3);
@@ -867,10 +790,10 @@ impl Spans {
             Body::Call(c) => {
                 let Some(api) = ev.api else { return };
                 let family = api.family;
-                let timed = super::sampled_by_duration(family);
+                let timed = crate::rules::sampled_by_duration(family);
                 let end = ev.ts_ns + c.duration_ns;
                 // Adaptive sampling (seeds 000/003), as for JSON lines.
-                if timed && !super::kept(c.duration_ns, self.cfg.threshold_ns, self.cfg.trace_all) {
+                if timed && !crate::rules::kept(c.duration_ns, self.cfg.threshold_ns, self.cfg.trace_all) {
                     self.counters.spans_sampled_out.fetch_add(1, Ordering::Relaxed);
                     self.drop_ioctls(ev.tid, ev.ts_ns, end);
                     return;
@@ -884,16 +807,16 @@ impl Spans {
                     KeyValue::new("gpu.cuda.result", i64::from(c.result)),
                     KeyValue::new("gpu.cuda.ioctl_count", i64::from(c.ioctl_count)),
                 ];
-                let is_slow = c.duration_ns >= self.cfg.threshold_ns;
+                let is_slow = crate::rules::is_slow(c.duration_ns, self.cfg.threshold_ns);
                 if family == Family::Memcpy {
                     let bytes = c.bytes.unwrap_or(0);
                     attrs.extend([
-                        KeyValue::new("gpu_transfer.direction", direction_name(c.direction)),
+                        KeyValue::new("gpu_transfer.direction", c.direction.name()),
                         KeyValue::new("gpu_transfer.bytes", bytes as i64),
                         KeyValue::new("gpu_transfer.duration_us", (c.duration_ns / 1000) as i64),
                         KeyValue::new(
                             "gpu_transfer.bandwidth_mbps",
-                            crate::export::bandwidth_mbps(bytes, c.duration_ns),
+                            crate::rules::bandwidth_mbps(bytes, c.duration_ns),
                         ),
                         KeyValue::new("gpu_transfer.is_slow", is_slow),
                         KeyValue::new("gpu_transfer.threshold_us", (self.cfg.threshold_ns / 1000) as i64),
@@ -964,10 +887,7 @@ impl Spans {
 
     fn gpu(&mut self, a: &GpuActivity) {
         let d = a.duration_ns();
-        let comm = {
-            let end = a.comm.iter().position(|&b| b == 0).unwrap_or(a.comm.len());
-            String::from_utf8_lossy(&a.comm[..end]).into_owned()
-        };
+        let comm = crate::rules::comm(&a.comm).into_owned();
         if let Some(k) = a
             .kernel
             .as_ref()
@@ -975,8 +895,8 @@ impl Spans {
         {
             self.record_kernel(a.pid, &comm, &k.demangled, d);
         }
-        let is_slow = d >= self.cfg.threshold_ns;
-        if !super::kept(d, self.cfg.threshold_ns, self.cfg.trace_all) {
+        let is_slow = crate::rules::is_slow(d, self.cfg.threshold_ns);
+        if !crate::rules::kept(d, self.cfg.threshold_ns, self.cfg.trace_all) {
             self.counters.spans_sampled_out.fetch_add(1, Ordering::Relaxed);
             return;
         }
@@ -1116,68 +1036,6 @@ pub fn grpc(flag: Option<&str>) -> Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn container_ids_come_from_the_runtimes_cgroup_paths() {
-        let id = "0123456789abcdef".repeat(4);
-        for cg in [
-            format!(
-                "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1234.slice/cri-containerd-{id}.scope\n"
-            ),
-            format!("0::/system.slice/docker-{id}.scope\n"),
-            format!("12:memory:/kubepods/besteffort/pod99/{id}\n"),
-            format!("0::/kubepods.slice/crio-{id}.scope\n"),
-        ] {
-            assert_eq!(container_id(&cg).as_deref(), Some(id.as_str()), "{cg}");
-        }
-        assert_eq!(container_id("0::/user.slice/user-0.slice/session-1.scope\n"), None);
-    }
-
-    #[test]
-    fn pods_are_named_from_the_kubelets_log_links() {
-        let dir = std::env::temp_dir().join(format!("gpu-observer-k8s-{}", std::process::id()));
-        let (procs, logs) = (dir.join("proc"), dir.join("containers"));
-        let id = "ab".repeat(32);
-        std::fs::create_dir_all(procs.join("42")).unwrap();
-        std::fs::create_dir_all(&logs).unwrap();
-        std::fs::write(
-            procs.join("42/cgroup"),
-            format!("0::/kubepods/pod7/cri-containerd-{id}.scope\n"),
-        )
-        .unwrap();
-        std::fs::write(logs.join(format!("trainer-0_ml_pytorch-{id}.log")), "").unwrap();
-        std::fs::write(logs.join(format!("other_ns_c-{}.log", "cd".repeat(32))), "").unwrap();
-        let got = k8s_attributes(42, &procs, &logs);
-        let get = |k: &str| {
-            got.iter()
-                .find(|kv| kv.key.as_str() == k)
-                .map(|kv| kv.value.to_string())
-        };
-        assert_eq!(get("container.id"), Some(id));
-        assert_eq!(get("k8s.pod.name").as_deref(), Some("trainer-0"));
-        assert_eq!(get("k8s.namespace.name").as_deref(), Some("ml"));
-        assert_eq!(get("k8s.container.name").as_deref(), Some("pytorch"));
-        // Not in a container: nothing.
-        std::fs::create_dir_all(procs.join("43")).unwrap();
-        std::fs::write(procs.join("43/cgroup"), "0::/user.slice\n").unwrap();
-        assert!(k8s_attributes(43, &procs, &logs).is_empty());
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    #[test]
-    fn command_lines_are_cut_at_4_kib_and_marked() {
-        // A /proc/PID/cmdline as `sleep 30 aaaa…` writes it: the cut falls inside the long
-        // argument.
-        let f = std::env::temp_dir().join(format!("gpu-observer-cmdline-{}", std::process::id()));
-        std::fs::write(&f, format!("sleep\x0030\x00{}\x00", "a".repeat(100_000))).unwrap();
-        let (line, truncated) = command_line(&f).expect("cmdline");
-        assert!(truncated);
-        let want = format!("sleep 30 {}…", "a".repeat(MAX_COMMAND_LINE - "sleep 30 ".len()));
-        assert_eq!(line, want);
-        std::fs::write(&f, b"sleep\x0030\x00").unwrap();
-        assert_eq!(command_line(&f), Some(("sleep 30".to_string(), false)));
-        let _ = std::fs::remove_file(&f);
-    }
 
     #[test]
     fn http_endpoints_get_the_signal_path_grpc_ones_do_not() {

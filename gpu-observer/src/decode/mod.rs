@@ -78,6 +78,15 @@ pub enum HostMemory {
     Pageable,
 }
 
+impl HostMemory {
+    pub const fn name(self) -> &'static str {
+        match self {
+            HostMemory::Pinned => "pinned",
+            HostMemory::Pageable => "pageable",
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct Call {
     /// Bytes moved, set or allocated (None for frees until correlated, and syncs).
@@ -128,9 +137,8 @@ pub struct Ioctl {
 }
 
 impl Event {
-    pub fn comm(&self) -> &str {
-        let end = self.comm.iter().position(|&b| b == 0).unwrap_or(self.comm.len());
-        std::str::from_utf8(&self.comm[..end]).unwrap_or("?")
+    pub fn comm(&self) -> std::borrow::Cow<'_, str> {
+        crate::rules::comm(&self.comm)
     }
 }
 

@@ -416,7 +416,7 @@ pub struct Sampler<'a> {
 
 impl<'a> Sampler<'a> {
     pub fn new(nvml: &'a Nvml, count: u32) -> Self {
-        let now_us = crate::pipeline::realtime_us();
+        let now_us = crate::clock::realtime_us();
         let mut devices: Vec<PerDevice> = (0..count)
             .map(|_| PerDevice {
                 // The last second of NVML's samples, not its whole buffer.

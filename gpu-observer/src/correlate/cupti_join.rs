@@ -180,33 +180,6 @@ pub struct Status {
     pub rate_limit: u64,
 }
 
-pub fn state_name(s: Option<CuptiState>) -> &'static str {
-    match s {
-        Some(CuptiState::Active) => "active",
-        Some(CuptiState::Busy) => "busy",
-        Some(CuptiState::NoCupti) => "no_cupti",
-        Some(CuptiState::Failed) => "failed",
-        Some(CuptiState::Idle) => "idle",
-        None => "unknown",
-    }
-}
-
-/// What the user should know about a state.
-pub fn state_message(s: Option<CuptiState>) -> &'static str {
-    match s {
-        Some(CuptiState::Active) => "CUPTI active: GPU start/end times are joined to launches",
-        Some(CuptiState::Busy) => {
-            "CUPTI is in use by another profiler (nsys, ncu, compute-sanitizer or an in-process profiler): observed with uprobes only"
-        }
-        Some(CuptiState::NoCupti) => {
-            "the injection library found no libcupti (set GPU_OBSERVER_CUPTI_PATH): observed with uprobes only"
-        }
-        Some(CuptiState::Failed) => "CUPTI could not be set up: observed with uprobes only",
-        Some(CuptiState::Idle) => "CUPTI collection stopped",
-        None => "unknown CUPTI state",
-    }
-}
-
 /// Per-process counts of GPU activity.
 #[derive(Clone, Debug, Default)]
 pub struct GpuStats {

@@ -1,0 +1,86 @@
+//! What every event output implements. The pipeline holds a list of sinks and names none of
+//! them: JSON lines, OTLP spans and the stderr notices are each one `Sink`, and a new output
+//! (the Perfetto writer) is one more.
+//!
+//! Calls come from the reader thread, in the order things happened: a batch's CUPTI state
+//! changes, then its events, then its GPU records and the leaks of processes that exited in
+//! it; memory, NVML samples and flushes on the reader's timers; the summary once at the end.
+//! An error stops the agent (the output is gone: a closed pipe, a full disk), so a sink that
+//! can lose data without harm (OTLP's bounded queue) counts its losses and returns `Ok`.
+
+use anyhow::Result;
+
+use crate::{
+    attach::Drops,
+    correlate::{CuptiChange, Leak, MemorySample, cupti_join::GpuActivity},
+    decode::Event,
+    nvml::{DeviceInfo, Line},
+    snapshot::Snapshot,
+};
+
+/// Allocations a process has not freed: at its exit, or on demand (SIGUSR1).
+pub struct LeakReport<'a> {
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub comm: &'a str,
+    pub exited: bool,
+    pub leaks: &'a [Leak],
+}
+
+/// The end of a run, for the sinks that write a summary.
+pub struct Summary<'a> {
+    pub snapshot: &'a Snapshot,
+    pub drops: &'a Drops,
+    pub wall_ns: u64,
+    /// Drops of processes the agent never saw an event of.
+    pub unattributed_drops: u64,
+    /// What other parts of the agent report in the total, by key (`otlp`, `libraries`).
+    pub agent: &'a [(&'a str, serde_json::Value)],
+}
+
+pub trait Sink: Send {
+    /// What it writes where, for messages ("JSON lines to stdout").
+    fn describe(&self) -> String;
+
+    /// An event, with what the correlator filled in (kernel name, copy direction, freed size).
+    fn event(&mut self, ev: &Event) -> Result<()>;
+
+    /// A GPU record from CUPTI, joined to its launch when it could be.
+    fn gpu(&mut self, a: &GpuActivity) -> Result<()>;
+
+    /// A process's CUPTI state changed.
+    fn cupti_state(&mut self, _change: &CuptiChange) -> Result<()> {
+        Ok(())
+    }
+
+    /// A point of a process's memory timeline (once a second for processes whose memory changed).
+    fn memory(&mut self, _ts_ns: u64, _m: &MemorySample, _comm: &str) -> Result<()> {
+        Ok(())
+    }
+
+    fn leaks(&mut self, _report: &LeakReport<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    /// Whether this sink writes NVML samples (only then are they queued for the reader).
+    fn wants_nvml(&self) -> bool {
+        false
+    }
+
+    fn nvml(&mut self, _line: &Line, _comm: Option<&str>, _devices: &[DeviceInfo]) -> Result<()> {
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// No more events will come (the reader has drained the ring): a sink that hands events
+    /// to a thread of its own lets it finish now.
+    fn close(&mut self) {}
+
+    /// The run's summary, after the last event.
+    fn summary(&mut self, _s: &Summary<'_>) -> Result<()> {
+        Ok(())
+    }
+}

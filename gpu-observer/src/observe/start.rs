@@ -1,0 +1,231 @@
+//! The start of a run: everything the user gave is checked before anything is loaded or
+//! attached; then the probes, the sinks, the NVML sampler, the reader and the OTLP exporter.
+
+use std::{
+    io::{BufWriter, IsTerminal, Write},
+    path::Path,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Result, anyhow, bail};
+
+use super::Run;
+use crate::{
+    attach::{Attacher, Probes, discover, discover::LibKind},
+    cli::{Cli, Command, Format},
+    clock::monotonic_ns,
+    correlate::Correlator,
+    export::{
+        self, Sink,
+        jsonl::{JsonlSink, JsonlWriter},
+        terminal,
+    },
+    nvml,
+    pipeline::{Pipeline, Reader, nvml_channel},
+    preflight,
+    procinfo::ProcInfo,
+    say,
+    snapshot::{Publisher, Snapshots},
+    spawn,
+};
+
+pub(super) async fn start(cli: Cli) -> Result<Run> {
+    if cli.format == Format::Json {
+        bail!("--format json is for `gpu-observer devices`; events are written with --format jsonl");
+    }
+    let otlp_wanted = export::otlp::wanted(cli.otlp_endpoint.as_deref());
+    if cli.format == Format::None && !otlp_wanted {
+        bail!("--format none writes nothing locally: use it with --otlp-endpoint (or OTEL_EXPORTER_OTLP_ENDPOINT)");
+    }
+    let otlp_grpc = if otlp_wanted {
+        export::otlp::check_endpoints(cli.otlp_endpoint.as_deref())?;
+        Some(export::otlp::grpc(cli.otlp_protocol.as_deref())?)
+    } else {
+        None
+    };
+    if let Some(pid) = cli.pid {
+        preflight::check_pid(pid)?;
+    }
+    for w in preflight::check()? {
+        say(format_args!("warning: {w}"));
+    }
+    // Opened now, so a refused or unwritable --output fails before anything attaches.
+    let (writer, dest) = open_output(cli.output.as_deref())?;
+    let mut spawned = match &cli.command {
+        Some(Command::Run { .. }) if cli.pid.is_some() => {
+            bail!("`run` observes the program it starts: drop --pid")
+        }
+        Some(Command::Run { command }) => Some(spawn::start(command, &cli)?),
+        _ => None,
+    };
+    let pid_filter = spawned.as_ref().map(spawn::Spawned::pid).or(cli.pid);
+    let probes = Probes::load(cli.ring_buffer_size, pid_filter, cli.perf_uprobes)?;
+    let mut at = Attacher::new(probes, pid_filter, cli.max_libraries_per_user);
+    if let Some(lib) = spawned.as_ref().and_then(|s| s.injection.clone())
+        && let Err(e) = at.attach_up_front(&lib, LibKind::Hooks)
+    {
+        say(format_args!("warning: cannot attach the CUPTI hooks: {e}"));
+    }
+    for path in &cli.libcuda {
+        at.attach_up_front(path, LibKind::Cuda)
+            .map_err(|e| anyhow!("--libcuda {}: {e}", path.display()))?;
+    }
+    // In --pid mode the process's own mapping is what counts; otherwise (and for a program we
+    // start) pre-attach the host's driver so new processes are seen from their first call.
+    if cli.pid.is_none() {
+        for path in discover::well_known() {
+            if let Err(e) = at.attach_up_front(&path, LibKind::Cuda) {
+                say(format_args!("warning: cannot attach {}: {e}", path.display()));
+            }
+        }
+    }
+    let mapped = at.rescan();
+
+    // The event outputs: notices on stderr always, JSON lines with --format jsonl, OTLP spans.
+    let mut sinks: Vec<Box<dyn Sink>> = vec![Box::new(terminal::StderrNotices)];
+    let summary_out = match cli.format {
+        Format::Jsonl => {
+            sinks.push(Box::new(JsonlSink {
+                writer: JsonlWriter::new(writer, cli.threshold_us * 1000, cli.trace_all),
+                dest: dest.clone(),
+            }));
+            None
+        }
+        Format::Terminal | Format::Json | Format::None => Some(writer),
+    };
+    let nvml_interval = Duration::from_millis(cli.nvml_interval_ms);
+    let hub = nvml::Hub::new(
+        if cli.no_nvml {
+            nvml::State::Off
+        } else {
+            nvml::State::Starting
+        },
+        nvml_interval,
+        pid_filter,
+    );
+    let (nvml_tx, nvml_rx) = nvml_channel(&sinks);
+    let sampler = if cli.no_nvml {
+        None
+    } else {
+        let cfg = nvml::Config {
+            interval: nvml_interval,
+            lib: cli.nvml_lib.clone(),
+        };
+        Some(nvml::Sampler::spawn(cfg, hub.clone(), nvml_tx)?)
+    };
+    let corr = Correlator::new(cli.threshold_us * 1000)
+        .with_memory_limit_mb(cli.memory_limit_mb, cli.ring_buffer_size)
+        .with_lookup(Box::new(ProcInfo::host()));
+    let (publisher, snapshots) = Publisher::new(hub.view());
+    let otlp = match otlp_grpc {
+        Some(grpc) => Some(start_otlp(&cli, grpc, &hub, snapshots.clone(), spawned.as_ref()).await?),
+        None => None,
+    };
+    if let Some(o) = &otlp
+        && let Some(s) = o.sender()
+    {
+        sinks.push(Box::new(s));
+    }
+    let pipe = Pipeline::new(corr, sinks, hub, nvml_rx, publisher, monotonic_ns());
+    let failed = Arc::new(tokio::sync::Notify::new());
+    let reader = Reader::spawn(at.probes.take_ring()?, pipe, failed.clone())?;
+    let started = Instant::now();
+    say("ready");
+    if let Some(s) = spawned.as_mut() {
+        s.release()?;
+        say(format_args!("started pid {}", s.pid()));
+    }
+    let waiting = mapped == 0 && spawned.is_none();
+    if waiting {
+        match cli.pid {
+            Some(pid) => say(format_args!(
+                "process {pid} has no libcuda mapped yet; waiting for it to load CUDA (checking every {} ms)",
+                cli.interval_ms
+            )),
+            None if at.probes.attached_count() == 0 => say(format_args!(
+                "no libcuda found yet (no process maps one, none in the usual driver paths); waiting (checking every {} ms)",
+                cli.interval_ms
+            )),
+            None => {}
+        }
+    }
+    // A started program shares the terminal: no screen refreshes over its output, the summary
+    // comes when it exits.
+    let live =
+        cli.format == Format::Terminal && cli.output.is_none() && spawned.is_none() && std::io::stdout().is_terminal();
+    Ok(Run {
+        cli,
+        at,
+        spawned,
+        sampler,
+        reader,
+        failed,
+        otlp,
+        snapshots,
+        summary_out,
+        dest,
+        started,
+        live,
+        view: terminal::LiveView::default(),
+        waiting,
+        last_drops: 0,
+    })
+}
+
+async fn start_otlp(
+    cli: &Cli,
+    grpc: bool,
+    hub: &nvml::Hub,
+    snapshots: Snapshots,
+    spawned: Option<&spawn::Spawned>,
+) -> Result<export::otlp::Otlp> {
+    // The driver version for the resource, when NVML is up in time.
+    for _ in 0..20 {
+        if hub.view().state != nvml::State::Starting {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let backends = match (cli.no_nvml, spawned.and_then(|s| s.injection.as_ref())) {
+        (true, None) => "uprobes",
+        (true, Some(_)) => "uprobes,cupti",
+        (false, None) => "uprobes,nvml",
+        (false, Some(_)) => "uprobes,cupti,nvml",
+    };
+    let cfg = export::otlp::Config {
+        endpoint: cli.otlp_endpoint.clone(),
+        grpc,
+        interval: Duration::from_millis(cli.otlp_interval_ms),
+        queue: cli.otlp_queue.max(1),
+        timeout: Duration::from_secs(5),
+        command_line: cli.otlp_command_line,
+        threshold_ns: cli.threshold_us * 1000,
+        trace_all: cli.trace_all,
+        max_spans_per_sec: cli.otlp_max_spans_per_sec,
+    };
+    let o = export::otlp::start(cfg, snapshots, &hub.view(), backends)?;
+    say(format_args!(
+        "exporting OTLP ({}) to {}",
+        if grpc { "gRPC" } else { "HTTP/protobuf" },
+        cli.otlp_endpoint
+            .as_deref()
+            .unwrap_or("the OTEL_EXPORTER_OTLP_* endpoint")
+    ));
+    Ok(o)
+}
+
+/// Where output goes: `--output` (opened safely, export/output.rs) or stdout; and its name for
+/// messages (the path, or "stdout").
+fn open_output(path: Option<&Path>) -> Result<(Box<dyn Write + Send>, String)> {
+    Ok(match path {
+        Some(p) => (
+            Box::new(BufWriter::with_capacity(1 << 16, export::output::create(p)?)),
+            export::text::printable(&p.display().to_string()),
+        ),
+        None => (
+            Box::new(BufWriter::with_capacity(1 << 16, std::io::stdout())),
+            "stdout".into(),
+        ),
+    })
+}

@@ -1,0 +1,58 @@
+//! One tick of a run (every `--interval-ms`): attach to libraries newly mapped, notice the end
+//! of the observed process, report drops, refresh the live view.
+
+use std::io::Write;
+
+use anyhow::Result;
+
+use super::{End, Run};
+use crate::{pipeline::Request, say, snapshot::AgentStats};
+
+impl Run {
+    /// `Some(why)` when the run should end.
+    pub(super) fn tick(&mut self, end: &mut End) -> Result<Option<String>> {
+        let mapped = self.at.rescan();
+        if self.waiting && mapped > 0 {
+            self.waiting = false;
+        }
+        if let Some(s) = self.spawned.as_mut()
+            && let Some(status) = s.child.try_wait()?
+        {
+            end.exit_status = Some(status);
+            return Ok(Some(format!("process {} exited ({status})", s.pid())));
+        }
+        if let Some(pid) = self.cli.pid
+            && !crate::procinfo::ProcInfo::host().exists(pid)
+        {
+            return Ok(Some(format!("process {pid} exited")));
+        }
+        let drops = self.at.probes.drops().unwrap_or_default();
+        if drops.total > self.last_drops {
+            say(format_args!(
+                "warning: ring buffer full: {} records dropped so far; raise --ring-buffer-size (now {} bytes) or narrow with --pid",
+                drops.total, self.cli.ring_buffer_size
+            ));
+            self.last_drops = drops.total;
+        }
+        self.reader.ask(Request::Agent(AgentStats {
+            drops: drops.clone(),
+            attach_failures: self.at.stats().refused_total(),
+        }));
+        if self.live {
+            let snap = self.snapshots.load();
+            let interval_s = self.cli.interval_ms as f64 / 1000.0;
+            let text = self
+                .view
+                .render(&snap, &drops, interval_s, self.started.elapsed().as_secs_f64());
+            let mut so = std::io::stdout().lock();
+            if let Err(e) = write!(so, "\x1b[H\x1b[2J{text}").and_then(|()| so.flush()) {
+                end.output_failed = true;
+                return Ok(Some(format!(
+                    "error: writing the live view to {} failed: {e}; stopping",
+                    self.dest
+                )));
+            }
+        }
+        Ok(None)
+    }
+}
