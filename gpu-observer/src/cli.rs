@@ -54,8 +54,13 @@ pub struct Cli {
           value_parser = clap::value_parser!(u32).range(1..=4096), global = true)]
     pub max_libraries_per_user: u32,
 
-    /// Copies, memsets and syncs longer than this many microseconds are marked slow
-    /// (`is_slow`, seed 003: 100 µs).
+    /// Also record every raw ring-buffer record to this file (for a bug report, or to replay
+    /// through `cargo xtask bench-pipeline`); at most 1 GiB is recorded.
+    #[arg(long, value_name = "FILE", global = true)]
+    pub record_ring: Option<PathBuf>,
+
+    /// Copies, memsets and syncs that take at least this many microseconds are marked slow
+    /// (`is_slow`; docs/DESIGN.md "Defaults").
     #[arg(long, default_value_t = 100, alias = "trace-gpu-threshold",
           value_parser = clap::value_parser!(u64).range(0..=MAX_THRESHOLD_US), global = true)]
     pub threshold_us: u64,

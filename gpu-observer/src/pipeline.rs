@@ -277,6 +277,83 @@ impl Pipeline {
     }
 }
 
+/// A recording of raw ring-buffer records (`--record-ring`): [`RECORDING_MAGIC`], then per
+/// record its length (u32, little endian) and its bytes. Replays, tests and the throughput
+/// benchmark read it back with [`recorded`].
+pub struct Recording {
+    out: std::io::BufWriter<std::fs::File>,
+    bytes: u64,
+    /// Set when the cap was reached (said once) or a write failed.
+    stopped: bool,
+}
+
+/// What a recording starts with.
+pub const RECORDING_MAGIC: &[u8; 8] = b"GPUOREC1";
+/// Recordings stop growing here (a busy node writes ~100 MB a minute).
+const RECORDING_MAX: u64 = 1 << 30;
+
+impl Recording {
+    /// Creates the file the way `--output` is created (export/output.rs: refuses links and
+    /// other users' files in shared directories).
+    pub fn create(path: &std::path::Path) -> Result<Self> {
+        use std::io::Write as _;
+        let mut out = std::io::BufWriter::with_capacity(1 << 16, crate::export::output::create(path)?);
+        out.write_all(RECORDING_MAGIC)?;
+        Ok(Self {
+            out,
+            bytes: RECORDING_MAGIC.len() as u64,
+            stopped: false,
+        })
+    }
+
+    fn record(&mut self, item: &[u8]) {
+        use std::io::Write as _;
+        if self.stopped {
+            return;
+        }
+        if self.bytes + 4 + item.len() as u64 > RECORDING_MAX {
+            crate::say("note: --record-ring reached 1 GiB; recording stopped (observing goes on)");
+            self.stopped = true;
+            return;
+        }
+        let len = u32::try_from(item.len()).unwrap_or(u32::MAX);
+        let w = self
+            .out
+            .write_all(&len.to_le_bytes())
+            .and_then(|()| self.out.write_all(item));
+        if let Err(e) = w {
+            crate::say(format_args!(
+                "warning: --record-ring: writing failed ({e}); recording stopped"
+            ));
+            self.stopped = true;
+        }
+        self.bytes += 4 + item.len() as u64;
+    }
+
+    fn finish(&mut self) {
+        use std::io::Write as _;
+        if let Err(e) = self.out.flush() {
+            crate::say(format_args!("warning: --record-ring: writing failed ({e})"));
+        }
+    }
+}
+
+/// The records of a recording, in order; an error for a file that is not one (a truncated
+/// last record is dropped: the agent may have been killed while writing it).
+pub fn recorded(file: &[u8]) -> Result<impl Iterator<Item = &[u8]>> {
+    let rest = file
+        .strip_prefix(RECORDING_MAGIC.as_slice())
+        .ok_or_else(|| anyhow!("not a gpu-observer ring recording (no {:?} header)", "GPUOREC1"))?;
+    let mut at = 0usize;
+    Ok(std::iter::from_fn(move || {
+        let len = rest.get(at..at + 4)?;
+        let len = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
+        let item = rest.get(at + 4..at + 4 + len)?;
+        at += 4 + len;
+        Some(item)
+    }))
+}
+
 /// The reader thread and how to reach it.
 pub struct Reader {
     requests: mpsc::Sender<Request>,
@@ -286,10 +363,15 @@ pub struct Reader {
 impl Reader {
     /// Starts draining `ring` into `pipe`. `failed` is notified when a sink fails, so the main
     /// task stops at once instead of at the next signal.
-    pub fn spawn(ring: RingBuf<MapData>, pipe: Pipeline, failed: Arc<tokio::sync::Notify>) -> Result<Self> {
+    pub fn spawn(
+        ring: RingBuf<MapData>,
+        pipe: Pipeline,
+        recording: Option<Recording>,
+        failed: Arc<tokio::sync::Notify>,
+    ) -> Result<Self> {
         let (requests, rx) = mpsc::channel();
         let handle = std::thread::Builder::new().name("ring-reader".into()).spawn(move || {
-            let r = run(ring, pipe, &rx);
+            let r = run(ring, pipe, recording, &rx);
             if r.is_err() {
                 // A permit is stored if the main task is not waiting yet: never lost.
                 failed.notify_one();
@@ -311,7 +393,12 @@ impl Reader {
     }
 }
 
-fn run(mut ring: RingBuf<MapData>, mut pipe: Pipeline, requests: &mpsc::Receiver<Request>) -> Result<Finished> {
+fn run(
+    mut ring: RingBuf<MapData>,
+    mut pipe: Pipeline,
+    mut recording: Option<Recording>,
+    requests: &mpsc::Receiver<Request>,
+) -> Result<Finished> {
     let fd = ring.as_raw_fd();
     loop {
         // Requests before draining: whatever was submitted before a stop is drained below.
@@ -341,10 +428,16 @@ fn run(mut ring: RingBuf<MapData>, mut pipe: Pipeline, requests: &mpsc::Receiver
             unsafe { libc::poll(&mut pfd, 1, POLL_INTERVAL.as_millis() as i32) };
         }
         while let Some(item) = ring.next() {
+            if let Some(r) = recording.as_mut() {
+                r.record(&item);
+            }
             pipe.record(&item)?;
         }
         pipe.end_batch()?;
         if stopping {
+            if let Some(r) = recording.as_mut() {
+                r.finish();
+            }
             return pipe.finish(monotonic_ns());
         }
         pipe.tick(monotonic_ns(), false)?;

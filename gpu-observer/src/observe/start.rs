@@ -22,7 +22,7 @@ use crate::{
         terminal,
     },
     nvml,
-    pipeline::{Pipeline, Reader, nvml_channel},
+    pipeline::{Pipeline, Reader, Recording, nvml_channel},
     preflight,
     procinfo::ProcInfo,
     say,
@@ -52,6 +52,10 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
     }
     // Opened now, so a refused or unwritable --output fails before anything attaches.
     let (writer, dest) = open_output(cli.output.as_deref())?;
+    let recording = match &cli.record_ring {
+        Some(p) => Some(Recording::create(p).map_err(|e| anyhow!("--record-ring {}: {e:#}", p.display()))?),
+        None => None,
+    };
     let mut spawned = match &cli.command {
         Some(Command::Run { .. }) if cli.pid.is_some() => {
             bail!("`run` observes the program it starts: drop --pid")
@@ -129,7 +133,7 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
     }
     let pipe = Pipeline::new(corr, sinks, hub, nvml_rx, publisher, monotonic_ns());
     let failed = Arc::new(tokio::sync::Notify::new());
-    let reader = Reader::spawn(at.probes.take_ring()?, pipe, failed.clone())?;
+    let reader = Reader::spawn(at.probes.take_ring()?, pipe, recording, failed.clone())?;
     let started = Instant::now();
     say("ready");
     if let Some(s) = spawned.as_mut() {
