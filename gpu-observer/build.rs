@@ -1,4 +1,5 @@
-//! Builds the eBPF object with aya-build on the one stable toolchain (FACTS §1): `-Z build-std`
+//! Builds the eBPF object with aya-build on the stable toolchain (`Toolchain::Custom("stable")`:
+//! aya-build's default runs nightly): `-Z build-std`
 //! needs RUSTC_BOOTSTRAP, and bpf-linker comes from the project's tool dir (`cargo xtask setup`).
 
 use std::{env, path::PathBuf};

@@ -1,7 +1,7 @@
 //! The libcuda entry points gpu-observer probes, and how to read their arguments.
 //!
 //! Every variant is listed (`_v2`, `_ptds`, `_ptsz`): programs built with
-//! `--default-stream per-thread` call only the `_ptsz`/`_ptds` twins (FACTS §4), so a tracer that
+//! `--default-stream per-thread` call only the `_ptsz`/`_ptds` twins (docs/DESIGN.md "Measured costs"), so a tracer that
 //! stops at the first variant misses all of their work. The id of an entry is its index in
 //! [`APIS`] plus one; it travels to the eBPF program as the attach cookie (low 16 bits), with
 //! [`Flags`] in the bits above.
@@ -31,7 +31,7 @@ pub enum Family {
 }
 
 impl Family {
-    /// Launches are entry-only: a return probe doubles their cost (FACTS §3).
+    /// Launches are entry-only: a return probe doubles their cost (docs/DESIGN.md "Measured costs").
     pub const fn has_return_probe(self) -> bool {
         !matches!(self, Family::Launch | Family::LaunchEx | Family::GraphLaunch)
     }

@@ -46,6 +46,6 @@ pub mod limits {
     pub const MAX_PROCESSES: u32 = 16_384;
     /// Threads inside a probed CUDA call (or an ioctl) at once.
     pub const MAX_INFLIGHT_THREADS: u32 = 65_536;
-    /// Default ring buffer size (seed 000: 8 MB buffers).
+    /// Default ring buffer size: 8 MiB (docs/DESIGN.md "Defaults").
     pub const DEFAULT_RING_BYTES: u32 = 8 * 1024 * 1024;
 }

@@ -15,7 +15,7 @@
 //!   observer is told why (a status record).
 //!
 //! Settings (environment; `gpu-observer run` sets them from its flags):
-//! `GPU_OBSERVER_CUDA_BUFFER_SIZE` (activity buffer bytes, default 8 MiB, seed 000),
+//! `GPU_OBSERVER_CUDA_BUFFER_SIZE` (activity buffer bytes, default 8 MiB; docs/DESIGN.md "Defaults"),
 //! `GPU_OBSERVER_CUPTI_RATE_LIMIT` (records per second forwarded, default 1 000 000, 0 = none),
 //! `GPU_OBSERVER_CUPTI_FLUSH_MS` (default 500), `GPU_OBSERVER_CUPTI_PATH` (libcupti to load).
 
@@ -67,7 +67,7 @@ fn observed() -> bool {
 
 /// The hook the observer's eBPF program probes: it copies `count` records from `records`.
 /// It does nothing itself; its first instruction is a 5-byte nop, which the kernel emulates
-/// (FACTS §3: ~0.6 µs a hit instead of ~11 µs for a single-stepped instruction).
+/// (~0.66 µs a hit instead of ~11 µs for a single-stepped instruction; docs/DESIGN.md "Measured costs").
 #[cfg(target_arch = "x86_64")]
 #[unsafe(no_mangle)]
 #[unsafe(naked)]

@@ -120,7 +120,7 @@ fn count_drop(kind: EventKind, tgid: u32) {
     }
 }
 
-/// Submits without waking the agent (it polls on a timer, FACTS §3: wakeups cost ~2 µs per
+/// Submits without waking the agent (it polls on a timer; docs/DESIGN.md "Measured costs": wakeups cost ~2 µs per
 /// record) unless the ring is half full, so a burst is drained before it overflows.
 #[inline(always)]
 pub fn submit<T>(entry: RingBufEntry<T>) {

@@ -22,7 +22,7 @@ use crate::{
     maps::{INFLIGHT, IOCTLS},
 };
 
-// Offsets in the syscalls/sys_{enter,exit}_ioctl records (FACTS §2).
+// Offsets in the syscalls/sys_{enter,exit}_ioctl records, as their tracefs format files give them.
 const ENTER_FD: usize = 16;
 const ENTER_CMD: usize = 24;
 const ENTER_ARG: usize = 32;

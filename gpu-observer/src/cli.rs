@@ -65,13 +65,13 @@ pub struct Cli {
           value_parser = clap::value_parser!(u64).range(0..=MAX_THRESHOLD_US), global = true)]
     pub threshold_us: u64,
 
-    /// Write every copy, memset and sync. Default (seed adaptive sampling): only those taking
+    /// Write every copy, memset and sync. Default (duration sampling): only those taking
     /// at least --threshold-us are written one by one; all are counted in the summaries, and
     /// the total says how many were left out (`sampled_out`).
     #[arg(long, alias = "trace-gpu-all", global = true)]
     pub trace_all: bool,
 
-    /// CUPTI activity buffer size in bytes for processes started by `run` (seed 000: 8 MB).
+    /// CUPTI activity buffer size in bytes for processes started by `run` (default 8 MiB).
     #[arg(long, default_value_t = 8 * 1024 * 1024,
           value_parser = clap::value_parser!(u64).range(4096..=1 << 30), global = true)]
     pub cuda_buffer_size: u64,

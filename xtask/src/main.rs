@@ -198,7 +198,8 @@ fn setup() -> Result<()> {
     }
     let linker = tools().join("bin/bpf-linker");
     if !linker.is_file() {
-        // bpf-linker links against rustc's own LLVM: no system LLVM needed (FACTS §1).
+        // bpf-linker links against rustc's own libLLVM (no system LLVM): a prefix whose lib/ holds
+        // libLLVM.so and the versioned name, both links to rustc's library (one to link, one for the RUNPATH).
         let lib = Path::new(&sysroot).join("lib");
         let llvm = std::fs::read_dir(&lib)?
             .flatten()

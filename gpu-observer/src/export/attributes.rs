@@ -1,4 +1,4 @@
-//! The seeds' span attributes for GPU work (seed 000 §2.3 `gpu.*`, seed 003 `gpu_transfer.*`):
+//! The span attributes of GPU work (`gpu.*` for kernels, `gpu_transfer.*` for copies and memsets):
 //! one list that every exporter writes as it is (JSON lines now, OTLP spans later).
 
 use gpu_observer_common::cupti::GpuRecordKind;
@@ -18,8 +18,8 @@ fn dims(d: [i32; 3]) -> Value {
     Value::Str(format!("[{},{},{}]", d[0], d[1], d[2]))
 }
 
-/// Seed 000's attributes of a kernel span, seed 003's of a transfer span (memsets too, which
-/// the seeds do not name: they follow the transfer form).
+/// A kernel span's `gpu.*` attributes, a transfer span's `gpu_transfer.*` (memsets too, in the
+/// transfer form: no memset attributes were ever defined).
 pub fn span_attributes(a: &GpuActivity, threshold_us: u64, is_slow: bool) -> Vec<(&'static str, Value)> {
     let r = &a.rec;
     let duration_us = (a.duration_ns() / 1000) as i64;

@@ -20,6 +20,8 @@ pub struct LiveView {
     prev: HashMap<u32, Arc<ProcessView>>,
     /// (kernels, kernel GPU ns) at the previous refresh, per process with CUPTI.
     prev_gpu: HashMap<u32, (u64, u64)>,
+    /// When the previous refresh's snapshot was taken (CLOCK_MONOTONIC ns; 0: none yet).
+    prev_taken_ns: u64,
 }
 
 fn human_bytes(b: u64) -> String {
@@ -36,8 +38,13 @@ fn human_bytes(b: u64) -> String {
 }
 
 impl LiveView {
-    /// Renders the table for an interval of `interval_s` seconds.
-    pub fn render(&mut self, snap: &Snapshot, drops: &Drops, interval_s: f64, elapsed_s: f64) -> String {
+    /// Renders the table: rates over the time between this snapshot and the previous one's
+    /// (`interval_s` for the first).
+    pub fn render(&mut self, snap: &Snapshot, drops: &Drops, mut interval_s: f64, elapsed_s: f64) -> String {
+        if self.prev_taken_ns != 0 && snap.taken_ns > self.prev_taken_ns {
+            interval_s = (snap.taken_ns - self.prev_taken_ns) as f64 / 1e9;
+        }
+        self.prev_taken_ns = snap.taken_ns;
         let mut out = String::new();
         let _ = writeln!(
             out,

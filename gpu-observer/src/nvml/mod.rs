@@ -154,7 +154,8 @@ pub enum Line {
     Process(ProcessSample),
 }
 
-/// The sampler's cost, measured on its own thread (seed 002 §9.1).
+/// The sampler's cost, measured on its own thread (budget: < 0.1 % of a core at 100 ms, < 1 ms a
+/// query; docs/DESIGN.md "Measured costs").
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Cost {
     pub samples: u64,

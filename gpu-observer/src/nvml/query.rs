@@ -6,7 +6,7 @@
 //! so the versioned `nvmlDeviceGetRunningProcessDetailList` (R550+) is called through the raw
 //! bindings first, and the wrapper's v3 call is only the fallback for older drivers.
 //!
-//! Every query is timed (seed 002 §9.1: < 1 ms each) and a query the GPU does not support is
+//! Every query is timed (budget < 1 ms each; docs/DESIGN.md "Measured costs") and a query the GPU does not support is
 //! not asked again: its metric stays absent, never 0.
 
 use std::{
@@ -104,7 +104,8 @@ pub fn open(path: Option<&Path>) -> Result<Nvml, String> {
     ))
 }
 
-/// Seed 002 GPU-001..007, plus what a fleet needs to place a device.
+/// Name, vendor, memory, compute capability, driver version and PCI bus id of each GPU, plus
+/// what a fleet needs to place a device.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct DeviceInfo {
     pub index: u32,

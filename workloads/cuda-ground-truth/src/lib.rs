@@ -1,4 +1,4 @@
-//! cuda-ground-truth: a CUDA driver-API program whose every call is known in advance (seed 004:
+//! cuda-ground-truth: a CUDA driver-API program whose every call is known in advance (its checks:
 //! H1 module loading, H2 kernel results, H3 copy round trip, H9 error on invalid PTX), written
 //! to be run under gpu-observer and compared with what it captured.
 //!

@@ -1,4 +1,4 @@
-//! The call sequence (seed 004, H1-H3 and H9) and its self-checks.
+//! The call sequence and its self-checks (H1-H3 and H9, see lib.rs).
 
 use serde_json::{Value, json};
 

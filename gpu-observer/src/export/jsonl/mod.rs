@@ -1,4 +1,4 @@
-//! JSON lines (`--format jsonl`): the schema of ARCHITECTURE.md, one object per event, written
+//! JSON lines (`--format jsonl`): the schema in README.md ("JSON lines"), one object per event, written
 //! straight into a buffered writer (no allocation per event).
 
 mod gpu;
@@ -22,7 +22,7 @@ use crate::{
 pub struct JsonlWriter<W: Write> {
     out: W,
     threshold_ns: u64,
-    /// Seeds 000/003 adaptive sampling: without it, copies, memsets and syncs shorter than the
+    /// Duration sampling (docs/DESIGN.md "Rules"): without it, copies, memsets and syncs shorter than the
     /// threshold are counted (in the summaries) but not written one by one.
     trace_all: bool,
     /// Lines left out by sampling, by type: memcpy, memset, sync, gpu_kernel, gpu_memcpy,
@@ -94,7 +94,7 @@ impl<W: Write> JsonlWriter<W> {
         }
     }
 
-    /// Adaptive sampling (seed 003: export when `duration >= threshold` or trace-all): counts
+    /// Duration sampling (`rules::kept`, docs/DESIGN.md "Rules"): counts
     /// and says true for a fast timed call that is not to be written.
     fn sample_out(&mut self, family: Option<Family>, c: &Call) -> bool {
         let slot = match family {

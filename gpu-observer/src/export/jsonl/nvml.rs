@@ -237,7 +237,7 @@ impl<W: Write> JsonlWriter<W> {
         Ok(())
     }
 
-    /// `,"nvml":{…}` in the total summary: state, and what the sampler cost (seed 002 §9.1).
+    /// `,"nvml":{…}` in the total summary: state, and what the sampler cost (docs/DESIGN.md "Measured costs").
     pub(super) fn nvml_total(&mut self, hub: &crate::nvml::View) -> io::Result<()> {
         let c = &hub.cost;
         let mut queries = Map::new();
