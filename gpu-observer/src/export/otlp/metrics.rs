@@ -13,7 +13,7 @@ use opentelemetry::{
 };
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 
-use super::{Counters, SharedProcAttrs};
+use super::{Counters, resource::SharedProcAttrs};
 use crate::snapshot::{ProcessView, Snapshots};
 
 /// Hands a value and its attributes to the instrument.

@@ -1,0 +1,685 @@
+//! The span thread: turns the events and GPU records the reader hands over into spans — one
+//! trace per process per window, a root span for the process, a span per CUDA call with its
+//! ioctls under it, a span per GPU kernel or copy — samples them as configured, and exports
+//! them in batches. It also records the kernel GPU-time histogram.
+
+use std::{
+    borrow::Cow,
+    collections::{HashMap, VecDeque},
+    sync::{
+        Arc,
+        atomic::Ordering,
+        mpsc::{Receiver, RecvTimeoutError},
+    },
+    time::{Duration, Instant},
+};
+
+use gpu_observer_common::api::Family;
+use opentelemetry::{
+    InstrumentationScope, KeyValue, Value,
+    metrics::Histogram,
+    trace::{SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceId, TraceState},
+};
+use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanLinks};
+
+use super::{Config, Counters, Item, resource::SharedProcAttrs, transport};
+use crate::{
+    clock::{WallClock, monotonic_ns},
+    correlate::cupti_join::GpuActivity,
+    decode::{Body, Event},
+    export::attributes,
+};
+
+/// Kernel names that get their own label on the GPU-time histogram; the rest are `other`.
+const TOP_KERNELS: usize = 20;
+/// Spans per export request.
+const BATCH: usize = 512;
+/// Ioctls held per thread until the call they were made in returns.
+pub(super) const IOCTLS_PER_THREAD: usize = 64;
+/// Ioctls held over all threads: a span with its attributes is about 1 KiB, so thousands of
+/// threads blocked inside calls cannot make this grow past ~4 MiB. Past it an ioctl goes out
+/// at once under its window's root (`ioctls_unparented`).
+pub(super) const IOCTLS_PENDING: usize = 4096;
+/// Trace windows open at once (one per process with recent events). Past it the oldest window
+/// is closed early (`windows_closed_early`): its process's next span opens a new trace.
+pub(super) const MAX_WINDOWS: usize = 4096;
+/// Distinct kernel names remembered for the GPU-time histogram's labels, and their bytes;
+/// kernels past either are labelled `other`.
+const KERNEL_LABELS: usize = 4096;
+const KERNEL_LABEL_BYTES: usize = 256 << 10;
+
+/// One process's current trace window.
+struct Window {
+    trace_id: TraceId,
+    root: SpanId,
+    start_ns: u64,
+    end_ns: u64,
+    comm: String,
+    spans: u64,
+    /// Token bucket for `max_spans_per_sec`: spans left in the current second.
+    budget: u64,
+    budget_second: u64,
+}
+
+/// A pending ioctl, waiting for its call's span.
+struct PendingIoctl {
+    pid: u32,
+    ts_ns: u64,
+    span: SpanData,
+}
+
+/// The span thread's state: open windows, ioctls waiting for their call, the batch to export.
+pub(super) struct Spans {
+    cfg: Config,
+    counters: Arc<Counters>,
+    clock: WallClock,
+    windows: HashMap<u32, Window>,
+    ioctls: HashMap<u32, VecDeque<PendingIoctl>>,
+    /// Ioctls in `ioctls`, all threads.
+    ioctls_pending: usize,
+    batch: Vec<SpanData>,
+    procs: SharedProcAttrs,
+    scope: InstrumentationScope,
+    seq: u64,
+    kernel_time: Histogram<f64>,
+    /// GPU ns per kernel name, for the histogram's top-N label set.
+    kernel_ns: HashMap<Arc<str>, u64>,
+    /// Bytes of the names in `kernel_ns`.
+    kernel_ns_bytes: usize,
+    top: Vec<Arc<str>>,
+    last_top: Instant,
+}
+
+impl Spans {
+    pub(super) fn new(
+        cfg: Config,
+        counters: Arc<Counters>,
+        kernel_time: Histogram<f64>,
+        procs: SharedProcAttrs,
+    ) -> Self {
+        Self {
+            cfg,
+            counters,
+            clock: WallClock::now(),
+            windows: HashMap::new(),
+            ioctls: HashMap::new(),
+            ioctls_pending: 0,
+            batch: Vec::with_capacity(BATCH),
+            procs,
+            scope: InstrumentationScope::builder("gpu-observer")
+                .with_version(env!("CARGO_PKG_VERSION"))
+                .build(),
+            seq: 0,
+            kernel_time,
+            kernel_ns: HashMap::new(),
+            kernel_ns_bytes: 0,
+            top: Vec::new(),
+            last_top: Instant::now(),
+        }
+    }
+
+    pub(super) fn run(
+        mut self,
+        rx: &Receiver<Item>,
+        exp: &opentelemetry_otlp::SpanExporter,
+        rt: &tokio::runtime::Handle,
+    ) {
+        let mut last_export = Instant::now();
+        loop {
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(item) => self.take(item),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+            let now = monotonic_ns();
+            self.close_windows(now, false);
+            if self.batch.len() >= BATCH || last_export.elapsed() >= Duration::from_secs(1) {
+                self.export(exp, rt, 3);
+                last_export = Instant::now();
+            }
+        }
+        // Exit: ioctls whose call never returned go under their window's root, then every window
+        // still open; one attempt each (the collector may be gone).
+        let pending: Vec<PendingIoctl> = self.ioctls.drain().flat_map(|(_, q)| q).collect();
+        self.ioctls_pending = 0;
+        for p in pending {
+            self.orphan(p.pid, p.span);
+        }
+        self.close_windows(u64::MAX, true);
+        self.export(exp, rt, 1);
+    }
+
+    fn export(&mut self, exp: &opentelemetry_otlp::SpanExporter, rt: &tokio::runtime::Handle, attempts: u32) {
+        if self.batch.is_empty() {
+            return;
+        }
+        let batch = std::mem::replace(&mut self.batch, Vec::with_capacity(BATCH));
+        transport::export_spans(exp, rt, self.cfg.grpc, batch, attempts, &self.counters);
+    }
+
+    fn ids(&mut self) -> u64 {
+        self.seq = self.seq.wrapping_add(1);
+        // Unique per run: the sequence under a per-run random high part.
+        self.seq ^ (u64::from(std::process::id()) << 40) ^ (self.clock.mono_ns.rotate_left(17))
+    }
+
+    fn new_span_id(&mut self) -> SpanId {
+        SpanId::from_bytes(self.ids().max(1).to_be_bytes())
+    }
+
+    /// The window for `pid` at `ts`, opening one (and closing the old) as needed; `None` when
+    /// the process is over its span rate.
+    fn window(&mut self, pid: u32, comm: &str, ts: u64) -> Option<(TraceId, SpanId)> {
+        let interval = self.cfg.interval.as_nanos() as u64;
+        if let Some(w) = self.windows.get(&pid)
+            && ts >= w.start_ns + interval
+        {
+            let w = self.windows.remove(&pid).expect("present");
+            self.emit_root(pid, w);
+        }
+        if !self.windows.contains_key(&pid) {
+            if self.windows.len() >= MAX_WINDOWS
+                && let Some(oldest) = self.windows.iter().min_by_key(|(_, w)| w.start_ns).map(|(p, _)| *p)
+            {
+                let w = self.windows.remove(&oldest).expect("present");
+                self.emit_root(oldest, w);
+                self.counters.windows_closed_early.fetch_add(1, Ordering::Relaxed);
+            }
+            let hi = self.ids();
+            let lo = self.ids();
+            let trace_id = TraceId::from_bytes(((u128::from(hi) << 64) | u128::from(lo)).to_be_bytes());
+            let root = self.new_span_id();
+            self.windows.insert(
+                pid,
+                Window {
+                    trace_id,
+                    root,
+                    start_ns: ts,
+                    end_ns: ts,
+                    comm: comm.to_string(),
+                    spans: 0,
+                    budget: self.cfg.max_spans_per_sec,
+                    budget_second: ts / 1_000_000_000,
+                },
+            );
+        }
+        let w = self.windows.get_mut(&pid).expect("present");
+        let second = ts / 1_000_000_000;
+        if second != w.budget_second {
+            w.budget_second = second;
+            w.budget = self.cfg.max_spans_per_sec;
+        }
+        if self.cfg.max_spans_per_sec > 0 {
+            if w.budget == 0 {
+                self.counters.spans_sampled_out.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+            w.budget -= 1;
+        }
+        w.spans += 1;
+        Some((w.trace_id, w.root))
+    }
+
+    fn extend_window(&mut self, pid: u32, end_ns: u64) {
+        if let Some(w) = self.windows.get_mut(&pid) {
+            w.end_ns = w.end_ns.max(end_ns);
+        }
+    }
+
+    fn close_windows(&mut self, now: u64, all: bool) {
+        let interval = self.cfg.interval.as_nanos() as u64;
+        let done: Vec<u32> = self
+            .windows
+            .iter()
+            // A second of slack past the window: events of it may still be in the queue.
+            .filter(|(_, w)| all || now >= w.start_ns + interval + 1_000_000_000)
+            .map(|(pid, _)| *pid)
+            .collect();
+        for pid in done {
+            let w = self.windows.remove(&pid).expect("present");
+            self.emit_root(pid, w);
+        }
+    }
+
+    fn emit_root(&mut self, pid: u32, w: Window) {
+        let mut attrs = (*self.procs.lock().expect("process attributes lock").of(pid, &w.comm)).clone();
+        attrs.push(KeyValue::new("gpu_observer.spans", w.spans as i64));
+        let span = self.span(
+            w.trace_id,
+            w.root,
+            SpanId::INVALID,
+            Cow::Owned(format!("process {}", w.comm)),
+            (w.start_ns, w.end_ns.max(w.start_ns)),
+            attrs,
+        );
+        self.batch.push(span);
+    }
+
+    fn span(
+        &self,
+        trace_id: TraceId,
+        span_id: SpanId,
+        parent: SpanId,
+        name: Cow<'static, str>,
+        (start, end): (u64, u64),
+        attributes: Vec<KeyValue>,
+    ) -> SpanData {
+        SpanData {
+            span_context: SpanContext::new(trace_id, span_id, TraceFlags::SAMPLED, false, TraceState::default()),
+            parent_span_id: parent,
+            parent_span_is_remote: false,
+            span_kind: SpanKind::Internal,
+            name,
+            start_time: self.clock.wall(start),
+            end_time: self.clock.wall(end),
+            attributes,
+            dropped_attributes_count: 0,
+            events: SpanEvents::default(),
+            links: SpanLinks::default(),
+            status: Status::Unset,
+            instrumentation_scope: self.scope.clone(),
+        }
+    }
+
+    fn take(&mut self, item: Item) {
+        match item {
+            Item::Event(ev) => self.event(ev),
+            Item::Gpu(a) => self.gpu(&a),
+        }
+    }
+
+    fn event(&mut self, ev: Event) {
+        let comm = ev.comm().to_string();
+        match &ev.body {
+            Body::Ioctl(io) => {
+                let Some((trace, _root)) = self.window(ev.pid, &comm, ev.ts_ns) else {
+                    return;
+                };
+                let mut attrs = vec![
+                    KeyValue::new("thread.id", i64::from(ev.tid)),
+                    KeyValue::new("ioctl.cmd", format!("{:#x}", io.cmd)),
+                    KeyValue::new("ioctl.fd", i64::from(io.fd)),
+                    KeyValue::new("ioctl.ret", io.ret),
+                ];
+                if let Some(n) = io.name {
+                    attrs.push(KeyValue::new("ioctl.name", n));
+                }
+                if let Some(p) = io.parent {
+                    attrs.push(KeyValue::new("gpu.cuda.api", p.name));
+                }
+                let id = self.new_span_id();
+                let name = Cow::Borrowed(io.name.unwrap_or("ioctl"));
+                let end = ev.ts_ns + io.duration_ns;
+                self.extend_window(ev.pid, end);
+                // Parented when its call returns; a launch (entry-only) never does.
+                let span = self.span(trace, id, SpanId::INVALID, name, (ev.ts_ns, end), attrs);
+                let waits = io.parent.is_some_and(|p| p.family.has_return_probe());
+                let room = self.ioctls_pending < IOCTLS_PENDING || self.ioctls.contains_key(&ev.tid);
+                if waits && !room {
+                    // Every thread's wait together is full: not parented, not lost.
+                    self.counters.ioctls_unparented.fetch_add(1, Ordering::Relaxed);
+                    self.orphan(ev.pid, span);
+                } else if waits {
+                    let q = self.ioctls.entry(ev.tid).or_default();
+                    // The thread's own oldest makes room (its wait, or everyone's, is full).
+                    let old = if q.len() == IOCTLS_PER_THREAD || self.ioctls_pending >= IOCTLS_PENDING {
+                        q.pop_front()
+                    } else {
+                        None
+                    };
+                    q.push_back(PendingIoctl {
+                        pid: ev.pid,
+                        ts_ns: ev.ts_ns,
+                        span,
+                    });
+                    self.ioctls_pending += 1;
+                    if let Some(old) = old {
+                        self.ioctls_pending -= 1;
+                        self.counters.ioctls_unparented.fetch_add(1, Ordering::Relaxed);
+                        self.orphan(old.pid, old.span);
+                    }
+                } else {
+                    self.orphan(ev.pid, span);
+                }
+            }
+            Body::Launch(l) => {
+                let Some(api) = ev.api else { return };
+                let Some((trace, root)) = self.window(ev.pid, &comm, ev.ts_ns) else {
+                    return;
+                };
+                let mut attrs = vec![
+                    KeyValue::new("thread.id", i64::from(ev.tid)),
+                    KeyValue::new("gpu.backend", "cuda"),
+                    KeyValue::new(
+                        "gpu.cuda.grid_dim",
+                        format!("[{},{},{}]", l.grid[0], l.grid[1], l.grid[2]),
+                    ),
+                    KeyValue::new(
+                        "gpu.cuda.block_dim",
+                        format!("[{},{},{}]", l.block[0], l.block[1], l.block[2]),
+                    ),
+                    KeyValue::new("gpu.cuda.shared_mem_bytes", i64::from(l.shared_mem_bytes)),
+                    KeyValue::new("gpu.cuda.stream", format!("{:#x}", l.stream)),
+                ];
+                if let Some(k) = &l.kernel {
+                    attrs.push(KeyValue::new("gpu.kernel", k.demangled.to_string()));
+                }
+                let id = self.new_span_id();
+                self.extend_window(ev.pid, ev.ts_ns);
+                let span = self.span(trace, id, root, Cow::Borrowed(api.name), (ev.ts_ns, ev.ts_ns), attrs);
+                self.batch.push(span);
+            }
+            Body::Call(c) => {
+                let Some(api) = ev.api else { return };
+                let family = api.family;
+                let timed = crate::rules::sampled_by_duration(family);
+                let end = ev.ts_ns + c.duration_ns;
+                // Adaptive sampling (seeds 000/003), as for JSON lines: an abandoned call has no
+                // duration to sample by, and is rare: always kept.
+                if timed
+                    && !c.abandoned
+                    && !crate::rules::kept(c.duration_ns, self.cfg.threshold_ns, self.cfg.trace_all)
+                {
+                    self.counters.spans_sampled_out.fetch_add(1, Ordering::Relaxed);
+                    self.drop_ioctls(ev.tid, ev.ts_ns, end);
+                    return;
+                }
+                let Some((trace, root)) = self.window(ev.pid, &comm, ev.ts_ns) else {
+                    self.drop_ioctls(ev.tid, ev.ts_ns, end);
+                    return;
+                };
+                let mut attrs = vec![
+                    KeyValue::new("thread.id", i64::from(ev.tid)),
+                    KeyValue::new("gpu.cuda.result", i64::from(c.result)),
+                    KeyValue::new("gpu.cuda.ioctl_count", i64::from(c.ioctl_count)),
+                ];
+                let is_slow = crate::rules::is_slow(c.duration_ns, self.cfg.threshold_ns);
+                if family == Family::Memcpy {
+                    let bytes = c.bytes.unwrap_or(0);
+                    attrs.extend([
+                        KeyValue::new("gpu_transfer.direction", c.direction.name()),
+                        KeyValue::new("gpu_transfer.bytes", bytes as i64),
+                        KeyValue::new("gpu_transfer.duration_us", (c.duration_ns / 1000) as i64),
+                        KeyValue::new(
+                            "gpu_transfer.bandwidth_mbps",
+                            crate::rules::bandwidth_mbps(bytes, c.duration_ns),
+                        ),
+                        KeyValue::new("gpu_transfer.is_slow", is_slow),
+                        KeyValue::new("gpu_transfer.threshold_us", (self.cfg.threshold_ns / 1000) as i64),
+                    ]);
+                } else if let Some(b) = c.bytes {
+                    attrs.push(KeyValue::new("gpu.bytes", b as i64));
+                }
+                if timed {
+                    attrs.push(KeyValue::new("gpu.is_slow", is_slow));
+                }
+                let id = self.new_span_id();
+                self.extend_window(ev.pid, end);
+                if c.result != 0 {
+                    attrs.push(KeyValue::new("error.type", format!("CUresult {}", c.result)));
+                }
+                let mut span = self.span(trace, id, root, Cow::Borrowed(api.name), (ev.ts_ns, end), attrs);
+                if c.result != 0 {
+                    span.status = Status::error(format!("CUresult {}", c.result));
+                }
+                self.batch.push(span);
+                // Its ioctls: the ones of this thread inside [entry, return].
+                if let Some(mut q) = self.ioctls.remove(&ev.tid) {
+                    self.ioctls_pending -= q.len();
+                    let (mine, rest): (Vec<_>, Vec<_>) =
+                        q.drain(..).partition(|p| p.ts_ns >= ev.ts_ns && p.ts_ns <= end);
+                    self.ioctls_pending += rest.len();
+                    // Threads with nothing pending hold no entry: the map stays as small as
+                    // the set of threads inside a call.
+                    if !rest.is_empty() {
+                        self.ioctls.insert(ev.tid, rest.into());
+                    }
+                    for mut p in mine {
+                        p.span.parent_span_id = id;
+                        self.batch.push(p.span);
+                    }
+                }
+            }
+            Body::ProcessExit => {
+                if let Some(w) = self.windows.remove(&ev.pid) {
+                    self.emit_root(ev.pid, w);
+                }
+                self.procs.lock().expect("process attributes lock").forget(ev.pid);
+            }
+            Body::Gpu(_) | Body::GpuName { .. } => {}
+        }
+    }
+
+    /// An ioctl with no call to hang it under: under the window's root.
+    fn orphan(&mut self, pid: u32, mut span: SpanData) {
+        if let Some(w) = self.windows.get(&pid)
+            && w.trace_id == span.span_context.trace_id()
+        {
+            span.parent_span_id = w.root;
+        }
+        self.batch.push(span);
+    }
+
+    /// The ioctls of a call sampled out (fast, or its process over its span rate): they go
+    /// with it, and are counted with it (`spans_sampled_out`).
+    fn drop_ioctls(&mut self, tid: u32, start: u64, end: u64) {
+        if let Some(q) = self.ioctls.get_mut(&tid) {
+            let before = q.len();
+            q.retain(|p| p.ts_ns < start || p.ts_ns > end);
+            let dropped = before - q.len();
+            self.ioctls_pending -= dropped;
+            self.counters
+                .spans_sampled_out
+                .fetch_add(dropped as u64, Ordering::Relaxed);
+            if q.is_empty() {
+                self.ioctls.remove(&tid);
+            }
+        }
+    }
+
+    fn gpu(&mut self, a: &GpuActivity) {
+        let d = a.duration_ns();
+        let comm = crate::rules::comm(&a.comm).into_owned();
+        if let Some(k) = a
+            .kernel
+            .as_ref()
+            .filter(|_| a.kind() == Some(gpu_observer_common::cupti::GpuRecordKind::Kernel))
+        {
+            self.record_kernel(a.pid, &comm, &k.demangled, d);
+        }
+        let is_slow = crate::rules::is_slow(d, self.cfg.threshold_ns);
+        if !crate::rules::kept(d, self.cfg.threshold_ns, self.cfg.trace_all) {
+            self.counters.spans_sampled_out.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let Some((trace, root)) = self.window(a.pid, &comm, a.rec.start_ns) else {
+            return;
+        };
+        let mut attrs: Vec<KeyValue> = attributes::span_attributes(a, self.cfg.threshold_ns / 1000, is_slow)
+            .into_iter()
+            .map(|(k, v)| KeyValue::new(k, value(v)))
+            .collect();
+        attrs.push(KeyValue::new(
+            "gpu.cuda.correlation_id",
+            i64::from(a.rec.correlation_id),
+        ));
+        if let Some(q) = a.queue_delay_ns() {
+            attrs.push(KeyValue::new("gpu.queue_delay_us", q as f64 / 1e3));
+        }
+        let name = match &a.kernel {
+            Some(k) => Cow::Owned(format!("gpu_kernel {}", k.demangled)),
+            None => Cow::Borrowed(match a.kind() {
+                Some(gpu_observer_common::cupti::GpuRecordKind::Kernel) => "gpu_kernel",
+                Some(gpu_observer_common::cupti::GpuRecordKind::Memset) => "gpu_memset",
+                _ => "gpu_memcpy",
+            }),
+        };
+        let id = self.new_span_id();
+        self.extend_window(a.pid, a.rec.end_ns);
+        let span = self.span(trace, id, root, name, (a.rec.start_ns, a.rec.end_ns), attrs);
+        self.batch.push(span);
+    }
+
+    /// The kernel GPU-time histogram: its label is the kernel's name while it is among the
+    /// `TOP_KERNELS` with the most GPU time, else `other` (bounded cardinality).
+    fn record_kernel(&mut self, pid: u32, comm: &str, name: &str, ns: u64) {
+        let key: Arc<str> = match self.kernel_ns.get_key_value(name) {
+            Some((k, _)) => k.clone(),
+            None if self.kernel_ns.len() < KERNEL_LABELS && self.kernel_ns_bytes + name.len() <= KERNEL_LABEL_BYTES => {
+                self.kernel_ns_bytes += name.len();
+                Arc::from(name)
+            }
+            None => Arc::from("other"),
+        };
+        *self.kernel_ns.entry(key.clone()).or_default() += ns;
+        if self.last_top.elapsed() >= Duration::from_secs(5) || self.top.len() < TOP_KERNELS {
+            let mut all: Vec<(&Arc<str>, &u64)> = self.kernel_ns.iter().collect();
+            all.sort_by(|a, b| b.1.cmp(a.1));
+            self.top = all.into_iter().take(TOP_KERNELS).map(|(k, _)| k.clone()).collect();
+            self.last_top = Instant::now();
+        }
+        let label = if self.top.contains(&key) {
+            key.to_string()
+        } else {
+            "other".to_string()
+        };
+        let mut attrs = (*self.procs.lock().expect("process attributes lock").of(pid, comm)).clone();
+        attrs.push(KeyValue::new("gpu.kernel", label));
+        self.kernel_time.record(ns as f64 / 1e9, &attrs);
+    }
+}
+
+fn value(v: attributes::Value) -> Value {
+    match v {
+        attributes::Value::Str(s) => Value::from(s),
+        attributes::Value::Int(i) => Value::I64(i),
+        attributes::Value::Float(f) => Value::F64(f),
+        attributes::Value::Bool(b) => Value::Bool(b),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use gpu_observer_common::api;
+    use opentelemetry::metrics::MeterProvider as _;
+
+    use super::*;
+    use crate::{
+        decode::{Call, Ioctl},
+        export::otlp::resource::ProcAttrs,
+    };
+
+    const COPY: &str = "cuMemcpyHtoD_v2";
+
+    fn spans(max_spans_per_sec: u64) -> Spans {
+        let cfg = Config {
+            endpoint: None,
+            grpc: true,
+            interval: Duration::from_secs(10),
+            queue: 1,
+            timeout: Duration::from_secs(1),
+            command_line: false,
+            threshold_ns: 100_000,
+            trace_all: false,
+            max_spans_per_sec,
+        };
+        let h = opentelemetry_sdk::metrics::SdkMeterProvider::default()
+            .meter("test")
+            .f64_histogram("t")
+            .build();
+        Spans::new(cfg, Arc::new(Counters::default()), h, ProcAttrs::new(false))
+    }
+
+    fn ev(ts_ns: u64, body: Body) -> Event {
+        Event {
+            ts_ns,
+            // No such process: its attributes fall back to the comm.
+            pid: u32::MAX,
+            tid: 7,
+            comm: *b"train\0\0\0\0\0\0\0\0\0\0\0",
+            api: api::by_id(api::id_of(COPY).unwrap()),
+            body,
+        }
+    }
+
+    fn ioctl(ts_ns: u64) -> Event {
+        ev(
+            ts_ns,
+            Body::Ioctl(Ioctl {
+                fd: 3,
+                cmd: 0x2a,
+                arg: 0,
+                duration_ns: 10,
+                ret: 0,
+                parent: api::by_id(api::id_of(COPY).unwrap()),
+                name: None,
+                device: None,
+            }),
+        )
+    }
+
+    fn copy(ts_ns: u64, duration_ns: u64, abandoned: bool) -> Event {
+        let spec = api::by_id(api::id_of(COPY).unwrap()).unwrap();
+        ev(
+            ts_ns,
+            Body::Call(Call {
+                bytes: Some(16),
+                direction: spec.direction,
+                mem: spec.mem,
+                stream: None,
+                dst: None,
+                src: None,
+                address: None,
+                duration_ns,
+                result: 0,
+                ioctl_count: 1,
+                ioctl_ns: 10,
+                nested: 0,
+                read_errors: 0,
+                abandoned,
+                handle: None,
+                owner: None,
+                name: None,
+                host_memory: None,
+                direction_inferred: false,
+                kernel: None,
+            }),
+        )
+    }
+
+    fn sampled_out(s: &Spans) -> u64 {
+        s.counters.spans_sampled_out.load(Ordering::Relaxed)
+    }
+
+    #[test]
+    fn a_fast_call_is_sampled_out_with_its_ioctls_and_both_are_counted() {
+        let mut s = spans(0);
+        s.event(ioctl(1_000));
+        assert_eq!(s.ioctls_pending, 1);
+        s.event(copy(900, 200, false));
+        assert_eq!(sampled_out(&s), 2);
+        assert_eq!(s.ioctls_pending, 0);
+        assert!(s.batch.is_empty());
+    }
+
+    #[test]
+    fn a_call_over_the_span_rate_takes_its_ioctls_with_it_counted() {
+        // The ioctl takes the second's one span; the call finds none left.
+        let mut s = spans(1);
+        s.event(ioctl(1_000));
+        s.event(copy(900, 200_000, false));
+        assert_eq!(sampled_out(&s), 2);
+        assert_eq!(s.ioctls_pending, 0);
+        assert!(s.batch.is_empty());
+    }
+
+    #[test]
+    fn an_abandoned_call_is_always_kept() {
+        // No duration to sample by (0 < the threshold), as JSON lines writes it.
+        let mut s = spans(0);
+        s.event(copy(900, 0, true));
+        assert_eq!(sampled_out(&s), 0);
+        assert_eq!(s.batch.len(), 1);
+        assert_eq!(s.batch[0].name, COPY);
+    }
+}
