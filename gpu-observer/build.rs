@@ -6,7 +6,12 @@ use std::{env, path::PathBuf};
 
 fn main() -> anyhow::Result<()> {
     let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR")?);
-    let root = manifest_dir.parent().expect("crate lives in the workspace");
+    let root = manifest_dir.parent().ok_or_else(|| {
+        anyhow::anyhow!(
+            "{} has no parent: the crate lives in the workspace",
+            manifest_dir.display()
+        )
+    })?;
     let tools = root.join(".tools").join("bin");
     let path = env::var_os("PATH").unwrap_or_default();
     let mut dirs = vec![tools.clone()];
@@ -27,7 +32,9 @@ fn main() -> anyhow::Result<()> {
     let ebpf_dir = root.join("gpu-observer-ebpf");
     let ebpf = aya_build::Package {
         name: "gpu-observer-ebpf",
-        root_dir: ebpf_dir.to_str().expect("utf-8 path"),
+        root_dir: ebpf_dir
+            .to_str()
+            .ok_or_else(|| anyhow::anyhow!("{} is not UTF-8: move the checkout", ebpf_dir.display()))?,
         ..Default::default()
     };
     aya_build::build_ebpf([ebpf], aya_build::Toolchain::Custom("stable"))

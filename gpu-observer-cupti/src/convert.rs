@@ -36,13 +36,17 @@ fn u16_at(r: &[u8], off: usize) -> u16 {
     u16::from_ne_bytes([r[off], r[off + 1]])
 }
 fn u32_at(r: &[u8], off: usize) -> u32 {
-    u32::from_ne_bytes(r[off..off + 4].try_into().expect("4 bytes"))
+    let mut b = [0u8; 4];
+    b.copy_from_slice(&r[off..off + 4]);
+    u32::from_ne_bytes(b)
 }
 fn i32_at(r: &[u8], off: usize) -> i32 {
     u32_at(r, off) as i32
 }
 fn u64_at(r: &[u8], off: usize) -> u64 {
-    u64::from_ne_bytes(r[off..off + 8].try_into().expect("8 bytes"))
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&r[off..off + 8]);
+    u64::from_ne_bytes(b)
 }
 
 /// The fields `CUpti_ActivityMemcpy6` and `CUpti_ActivityMemset4` keep at the same offsets.

@@ -451,9 +451,12 @@ extern "C" fn buffer_requested(buffer: *mut *mut u8, size: *mut usize, max_recor
         let bytes = INJECTION
             .get()
             .map_or(Config::DEFAULT_BUFFER_BYTES, |i| i.cfg.buffer_bytes);
-        let layout = std::alloc::Layout::from_size_align(bytes, 8).expect("valid layout");
-        // SAFETY: non-zero size; freed in buffer_completed with the same layout.
-        let p = unsafe { std::alloc::alloc(layout) };
+        // A size too large for a layout gets no buffer (CUPTI then drops, and counts, records).
+        let p = match std::alloc::Layout::from_size_align(bytes, 8) {
+            // SAFETY: non-zero size; freed in buffer_completed with the same layout.
+            Ok(layout) => unsafe { std::alloc::alloc(layout) },
+            Err(_) => std::ptr::null_mut(),
+        };
         // SAFETY: CUPTI passes valid out-pointers.
         unsafe {
             *buffer = p;
@@ -481,9 +484,11 @@ extern "C" fn buffer_completed(ctx: *mut c_void, stream: u32, buffer: *mut u8, s
         }
     }));
     if !buffer.is_null() && size > 0 {
-        let layout = std::alloc::Layout::from_size_align(size, 8).expect("valid layout");
-        // SAFETY: allocated in buffer_requested with this size and alignment.
-        unsafe { std::alloc::dealloc(buffer, layout) };
+        // The layout buffer_requested allocated with (valid then, so valid now).
+        if let Ok(layout) = std::alloc::Layout::from_size_align(size, 8) {
+            // SAFETY: allocated in buffer_requested with this size and alignment.
+            unsafe { std::alloc::dealloc(buffer, layout) };
+        }
     }
 }
 

@@ -58,9 +58,9 @@ pub fn fixtures() -> PathBuf {
 
 pub fn require_root() {
     // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
     assert_eq!(
-        unsafe { libc::geteuid() },
-        0,
+        euid, 0,
         "integration tests load eBPF programs: run them as root (`cargo xtask test`)"
     );
 }

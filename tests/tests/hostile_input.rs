@@ -325,12 +325,8 @@ fn output_refuses_what_another_user_planted_in_a_sticky_directory() {
 fn lchown(path: &Path, uid: u32) {
     let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
     // SAFETY: valid NUL-terminated path.
-    assert_eq!(
-        unsafe { libc::lchown(c.as_ptr(), uid, uid) },
-        0,
-        "lchown {}",
-        path.display()
-    );
+    let r = unsafe { libc::lchown(c.as_ptr(), uid, uid) };
+    assert_eq!(r, 0, "lchown {}", path.display());
 }
 
 /// Item 8: when stdout's reader goes away (`| head`), the observer stops at once, says which

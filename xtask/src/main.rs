@@ -117,8 +117,10 @@ fn main() -> ExitCode {
     }
 }
 
+/// The workspace root: xtask's parent directory (its manifest dir is `<root>/xtask`).
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    let xtask = Path::new(env!("CARGO_MANIFEST_DIR"));
+    xtask.parent().unwrap_or(xtask).to_path_buf()
 }
 
 fn tools() -> PathBuf {
@@ -212,7 +214,10 @@ fn setup() -> Result<()> {
         std::fs::create_dir_all(&plib)?;
         for name in [
             "libLLVM.so".to_string(),
-            real.file_name().unwrap().to_string_lossy().into_owned(),
+            real.file_name()
+                .context("rustc's libLLVM has no file name")?
+                .to_string_lossy()
+                .into_owned(),
         ] {
             let link = plib.join(name);
             let _ = std::fs::remove_file(&link);

@@ -273,8 +273,7 @@ impl Attacher {
                 if start.elapsed() > RESCAN_BUDGET {
                     break 'turns;
                 }
-                let queue = todo.get_mut(&uid).expect("listed");
-                let Some((lib, retry)) = queue.pop_front() else {
+                let Some((lib, retry)) = todo.get_mut(&uid).and_then(VecDeque::pop_front) else {
                     todo.remove(&uid);
                     continue;
                 };
@@ -308,7 +307,7 @@ impl Attacher {
         if !gone.is_empty() {
             self.probes.release(&gone);
             for key in gone {
-                let info = self.files.remove(&key).expect("listed");
+                let Some(info) = self.files.remove(&key) else { continue };
                 self.stats.released += 1;
                 say(format_args!(
                     "released {} (no observed process maps it any more)",

@@ -105,7 +105,8 @@ struct ProbePoint {
 fn probe_points(syms: &symbols::LibrarySymbols) -> Vec<ProbePoint> {
     let mut out = Vec::new();
     for (&id, &offset) in &syms.offsets {
-        let spec = api::by_id(id).expect("ids come from the table");
+        // Ids come from the table (symbols.rs looks names up in it).
+        let Some(spec) = api::by_id(id) else { continue };
         let entry = match spec.family {
             Family::Launch => names::PROG_LAUNCH_KERNEL,
             Family::LaunchEx => names::PROG_LAUNCH_KERNEL_EX,
@@ -215,8 +216,8 @@ impl Probes {
             probes: 0,
             failed: Vec::new(),
         };
-        let links = if self.multi.is_some() {
-            self.attach_multi(&path, syms, &mut report)
+        let links = if let Some(multi) = &self.multi {
+            self.attach_multi(multi, &path, syms, &mut report)
         } else {
             self.attach_perf(&path, syms, &mut report)?
         };
@@ -233,8 +234,13 @@ impl Probes {
     }
 
     /// One uprobe-multi link per program for this file.
-    fn attach_multi(&self, path: &CStr, syms: &symbols::LibrarySymbols, report: &mut AttachReport) -> Vec<Link> {
-        let multi = self.multi.as_ref().expect("checked by the caller");
+    fn attach_multi(
+        &self,
+        multi: &multi::MultiPrograms,
+        path: &CStr,
+        syms: &symbols::LibrarySymbols,
+        report: &mut AttachReport,
+    ) -> Vec<Link> {
         let pid = match self.scope {
             UProbeScope::OneProcess(p) => p.get(),
             _ => 0,

@@ -141,7 +141,9 @@ fn load_program(name: &str, insns: &[bpf_insn], license: &CStr) -> Result<OwnedF
     for attempt in 0..2 {
         // SAFETY: all-zero is a valid bpf_attr.
         let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
-        let cname = CString::new(&name.as_bytes()[..name.len().min(15)]).expect("no NUL in program names");
+        // Program names are the object's constants, without NUL; the kernel's name field is
+        // only a label (15 bytes), so an empty one would lose nothing but the label.
+        let cname = CString::new(&name.as_bytes()[..name.len().min(15)]).unwrap_or_default();
         // SAFETY: writing the prog-load member of the zeroed union.
         unsafe {
             let p = &mut attr.__bindgen_anon_3;

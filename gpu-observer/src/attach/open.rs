@@ -20,7 +20,7 @@ use std::{
     fs::File,
     io,
     os::{
-        fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+        fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd},
         unix::ffi::OsStrExt,
     },
     path::Path,
@@ -70,8 +70,14 @@ impl Opened {
     /// The path that names this very file for the kernel while it stays open: uprobes attached
     /// through it land on the inode validated here, whatever the name means by then.
     pub fn kernel_path(&self) -> CString {
-        CString::new(format!("/proc/self/fd/{}", self.file.as_raw_fd())).expect("no NUL in a number")
+        fd_path(self.file.as_raw_fd())
     }
+}
+
+/// `/proc/self/fd/N`: the agent's own name for an open file (a number has no NUL, so the
+/// empty fallback is never taken).
+fn fd_path(fd: RawFd) -> CString {
+    CString::new(format!("/proc/self/fd/{fd}")).unwrap_or_default()
 }
 
 fn cstr(bytes: &[u8]) -> io::Result<CString> {
@@ -159,7 +165,10 @@ pub fn walk_in_root(root: BorrowedFd<'_>, path: &[u8]) -> io::Result<OwnedFd> {
             }
             continue;
         }
-        let here = dirs.last().expect("the root stays").as_fd();
+        // The root is never popped (see `..` above).
+        let Some(here) = dirs.last().map(AsFd::as_fd) else {
+            return Err(std::io::Error::other("path walk lost its root"));
+        };
         let fd = openat(here, &cstr(&name)?, libc::O_PATH | libc::O_NOFOLLOW)?;
         let st = fstat(fd.as_fd())?;
         match file_type(st.st_mode) {
@@ -237,7 +246,7 @@ fn open_checked(o_path: OwnedFd, shown: &str, expected_ino: Option<u64>) -> Resu
     }
     // Reopen the very inode for reading: never blocks (it is a regular file) and O_NONBLOCK
     // keeps it so should it be swapped for a FIFO between the two steps (it cannot: same inode).
-    let proc_path = CString::new(format!("/proc/self/fd/{}", o_path.as_raw_fd())).expect("no NUL in a number");
+    let proc_path = fd_path(o_path.as_raw_fd());
     // SAFETY: proc_path is a valid C string.
     let fd = unsafe {
         libc::open(

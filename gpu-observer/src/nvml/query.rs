@@ -712,7 +712,8 @@ impl<'a> Sampler<'a> {
                         pid,
                         ..ProcessSample::default()
                     });
-                    out.last_mut().expect("just pushed")
+                    let last = out.len() - 1;
+                    &mut out[last]
                 }
                 // Carried over, but the process is gone from the device.
                 None => continue,

@@ -4,7 +4,7 @@
 //! `gpu.cuda.*` per process, `gpu_observer.*` for the agent itself (deploy/README.md lists
 //! them with their Prometheus names).
 
-use std::sync::{Arc, atomic::Ordering};
+use std::sync::{Arc, PoisonError, atomic::Ordering};
 
 use gpu_observer_common::api::Direction;
 use opentelemetry::{
@@ -44,7 +44,7 @@ pub fn register(
             .with_description(desc)
             .with_callback(move |obs| {
                 let snap = s.load();
-                let mut pa = pa.lock().expect("process attributes lock");
+                let mut pa = pa.lock().unwrap_or_else(PoisonError::into_inner);
                 for p in &snap.procs {
                     let attrs = pa.of(p.pid, &p.comm);
                     f(p, Vec::new(), &mut |v, extra| {
@@ -117,7 +117,7 @@ pub fn register(
             .with_description(desc)
             .with_callback(move |obs| {
                 let snap = s.load();
-                let mut pa = pa.lock().expect("process attributes lock");
+                let mut pa = pa.lock().unwrap_or_else(PoisonError::into_inner);
                 for p in snap.procs.iter().filter(|p| !p.exited) {
                     let v = if bytes {
                         p.stats.outstanding_bytes()

@@ -6,6 +6,7 @@
 use std::{
     borrow::Cow,
     collections::{HashMap, VecDeque},
+    sync::PoisonError,
     sync::{
         Arc,
         atomic::Ordering,
@@ -171,17 +172,16 @@ impl Spans {
     /// the process is over its span rate.
     fn window(&mut self, pid: u32, comm: &str, ts: u64) -> Option<(TraceId, SpanId)> {
         let interval = self.cfg.interval.as_nanos() as u64;
-        if let Some(w) = self.windows.get(&pid)
-            && ts >= w.start_ns + interval
+        if self.windows.get(&pid).is_some_and(|w| ts >= w.start_ns + interval)
+            && let Some(w) = self.windows.remove(&pid)
         {
-            let w = self.windows.remove(&pid).expect("present");
             self.emit_root(pid, w);
         }
         if !self.windows.contains_key(&pid) {
             if self.windows.len() >= MAX_WINDOWS
                 && let Some(oldest) = self.windows.iter().min_by_key(|(_, w)| w.start_ns).map(|(p, _)| *p)
+                && let Some(w) = self.windows.remove(&oldest)
             {
-                let w = self.windows.remove(&oldest).expect("present");
                 self.emit_root(oldest, w);
                 self.counters.windows_closed_early.fetch_add(1, Ordering::Relaxed);
             }
@@ -203,7 +203,8 @@ impl Spans {
                 },
             );
         }
-        let w = self.windows.get_mut(&pid).expect("present");
+        // Inserted above when missing.
+        let w = self.windows.get_mut(&pid)?;
         let second = ts / 1_000_000_000;
         if second != w.budget_second {
             w.budget_second = second;
@@ -236,13 +237,18 @@ impl Spans {
             .map(|(pid, _)| *pid)
             .collect();
         for pid in done {
-            let w = self.windows.remove(&pid).expect("present");
+            let Some(w) = self.windows.remove(&pid) else { continue };
             self.emit_root(pid, w);
         }
     }
 
     fn emit_root(&mut self, pid: u32, w: Window) {
-        let mut attrs = (*self.procs.lock().expect("process attributes lock").of(pid, &w.comm)).clone();
+        let mut attrs = (*self
+            .procs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .of(pid, &w.comm))
+        .clone();
         attrs.push(KeyValue::new("gpu_observer.spans", w.spans as i64));
         let span = self.span(
             w.trace_id,
@@ -444,7 +450,7 @@ impl Spans {
                 if let Some(w) = self.windows.remove(&ev.pid) {
                     self.emit_root(ev.pid, w);
                 }
-                self.procs.lock().expect("process attributes lock").forget(ev.pid);
+                self.procs.lock().unwrap_or_else(PoisonError::into_inner).forget(ev.pid);
             }
             Body::Gpu(_) | Body::GpuName { .. } => {}
         }
@@ -543,7 +549,7 @@ impl Spans {
         } else {
             "other".to_string()
         };
-        let mut attrs = (*self.procs.lock().expect("process attributes lock").of(pid, comm)).clone();
+        let mut attrs = (*self.procs.lock().unwrap_or_else(PoisonError::into_inner).of(pid, comm)).clone();
         attrs.push(KeyValue::new("gpu.kernel", label));
         self.kernel_time.record(ns as f64 / 1e9, &attrs);
     }

@@ -35,6 +35,7 @@ impl BackgroundRuntime {
         )))
     }
 
+    #[expect(clippy::expect_used, reason = "the runtime is taken out only by Drop")]
     pub(super) fn handle(&self) -> tokio::runtime::Handle {
         self.0.as_ref().expect("taken only on drop").handle().clone()
     }
