@@ -35,8 +35,9 @@ pub fn launch_kernel(ctx: ProbeContext) -> u32 {
     let ts = now();
     // Arguments 7-9 (blockDimZ, sharedMemBytes, hStream) sit on the stack above the return
     // address; 32-bit ones use the low half of an 8-byte slot.
-    // SAFETY: reads user memory through the helper, which fails cleanly on a bad address.
+    // SAFETY: ctx.regs points at the probed task's saved registers for the program's run.
     let sp = unsafe { (*ctx.regs).rsp };
+    // SAFETY: reads user memory through the helper, which fails cleanly on a bad address.
     let stack = unsafe { bpf_probe_read_user((sp + 8) as *const [u64; 3]) };
     let (stack, errors) = match stack {
         Ok(s) => (s, 0),

@@ -4,7 +4,7 @@
 //! Perf-event uprobes (what aya 0.14 attaches) each wait for RCU grace periods under the
 //! kernel's `event_mutex` when detached: ~85 ms a probe, ~12 s for one libcuda, during which no
 //! other uprobe can be attached on the machine. aya 0.14 cannot load programs for uprobe-multi
-//! (they need `expected_attach_type = BPF_TRACE_UPROBE_MULTI` at load), so the five uprobe
+//! (they need `expected_attach_type = BPF_TRACE_UPROBE_MULTI` at load), so the seven uprobe
 //! programs are loaded here from the same object, with aya-obj's relocations against the maps
 //! aya created; aya keeps loading the maps and the tracepoints. Kernels without uprobe-multi
 //! fall back to aya's perf-event attach.
