@@ -549,12 +549,5 @@ check "validate_nvml.sh: without torch -> rc 1, reported as not run" "1 0" \
 check "validate_nvml.sh: observer fails to start -> rc 1, report written" "1 0" \
     "$(nv_e2e nve4 FAKE_NVML_FAULTS=die_early=1) $(has "did not start" "$T/nve4.out/NVML-VALIDATION.md")"
 
-# trace_outliers.py / trace_outliers.sh (its own self-test: synthetic traces, and tracefs here
-# when root).
-trc=0
-bash "$HERE/trace_outliers_selftest.sh" >"$T/trace_outliers.log" 2>&1 || trc=$?
-check "trace_outliers self-test" 0 "$trc"
-[[ $trc == 0 ]] || tail -n 20 "$T/trace_outliers.log"
-
 echo "$pass passed, $fail failed"
 ((fail == 0))
