@@ -64,7 +64,7 @@ resolve_observer "$REPO_ROOT"
 NVCC_BIN=$(find_nvcc)
 ARCH=$(gpu_sm_arch)
 log "observer: $OBSERVER"
-"$PYTHON" "$HERE/make_report.py" env --out "$WORK/bench_env.json" \
+"$PYTHON" -m gpucheck.make_report env --out "$WORK/bench_env.json" \
     --observer "$OBSERVER" --nvcc "$NVCC_BIN"
 
 log "build launch_bench ($ARCH)"
@@ -105,7 +105,7 @@ tail -n 3 "$WORK/bench_observer.err" 2>/dev/null | sed 's/^/    observer: /' || 
 log "=== 3/3 baseline again"
 bench bench_base2
 
-"$PYTHON" "$HERE/bench_report.py" --env "$WORK/bench_env.json" \
+"$PYTHON" -m gpucheck.bench_report --env "$WORK/bench_env.json" \
     --base1 "$WORK/bench_base1.json" --with "$WORK/bench_with.json" \
     --base2 "$WORK/bench_base2.json" --events "$JSONL" \
     --out "$WORK/BENCH.md" --summary-json "$WORK/bench-summary.json"

@@ -103,7 +103,7 @@ if ((NEED_CUPTI)); then
     log "CUPTI injection library: ${CUPTI_LIB_PATH:-not found}; observer run subcommand: $OBS_RUN_HELP"
     [[ -z $CUPTI_SKIP ]] || die "cannot run the CUPTI mode: $CUPTI_SKIP"
 fi
-"$PYTHON" "$HERE/make_report.py" env --out "$WORK/bench_env.json" --observer "$OBSERVER" \
+"$PYTHON" -m gpucheck.make_report env --out "$WORK/bench_env.json" --observer "$OBSERVER" \
     --python "$PYTHON" --cupti-lib "$CUPTI_LIB_PATH" --observer-run "$OBS_RUN_HELP"
 if [[ ${ALLOW_NO_GPU:-0} != 1 ]]; then
     nvidia-smi >"$WORK/nvidia-smi.txt" 2>&1 || die "nvidia-smi failed: $(tail -n 3 "$WORK/nvidia-smi.txt")"
@@ -165,7 +165,7 @@ run_mode() {
     esac
     if [[ $mode == uprobes || $mode == cupti ]]; then
         tail -n 2 "$err" 2>/dev/null | sed 's/^/    observer: /' || true
-        "$PYTHON" "$HERE/bench_cupti_report.py" extract --events "$jsonl" --workload "$wjson" \
+        "$PYTHON" -m gpucheck.bench_cupti_report extract --events "$jsonl" --workload "$wjson" \
             --out "$WORK/$name.obs.json" 2>&1 | sed 's/^/    /' || warn "extract failed for $name"
         [[ ${KEEP_JSONL:-0} == 1 ]] || rm -f "$jsonl"
     fi
@@ -196,7 +196,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
     done
 done
 
-"$PYTHON" "$HERE/bench_cupti_report.py" report --dir "$WORK" --plan "$PLAN" \
+"$PYTHON" -m gpucheck.bench_cupti_report report --dir "$WORK" --plan "$PLAN" \
     --env "$WORK/bench_env.json" --out "$WORK/BENCH_CUPTI.md" \
     --summary-json "$WORK/bench-cupti-summary.json" --target-pct "$TARGET_PCT" ||
     die "report failed"

@@ -1,6 +1,7 @@
 # shellcheck shell=bash
-# Shared helpers for gpu/validate.sh and gpu/bench.sh (sourced, not executed).
+# Shared helpers for the gpu/*.sh scripts (sourced, not executed).
 #
+# Sets PYTHONPATH so that `"$PYTHON" -m gpucheck.MODULE` finds gpu/gpucheck from any directory.
 # Provides: log/warn/die, require_root, find_nvcc, gpu_sm_arch, resolve_observer,
 # resolve_exe, wait_for_line, start_observer/stop_observer (background observer
 # lifecycle; OBS_PID, OBS_RC; await_ready/await_exit), start_observer_run/wait_observer_run (`gpu-observer run
@@ -13,6 +14,13 @@ READY_TIMEOUT=${READY_TIMEOUT:-60}   # seconds to wait for "gpu-observer: ready"
 STOP_TIMEOUT=${STOP_TIMEOUT:-30}     # seconds to wait after SIGINT
 READY_LINE='gpu-observer: ready'
 export PYTHONUNBUFFERED=1
+# The Python side is the package gpu/gpucheck (`"$PYTHON" -m gpucheck.MODULE`): gpu/ goes on
+# the module path, so it is found wherever the script is run from.
+GPU_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+case ":${PYTHONPATH:-}:" in
+*":$GPU_DIR:"*) ;;
+*) export PYTHONPATH="$GPU_DIR${PYTHONPATH:+:$PYTHONPATH}" ;;
+esac
 OBS_PID=""
 OBS_RUN=""  # 1 while OBS_PID is a `gpu-observer run` (it has the workload as its child)
 # shellcheck disable=SC2034  # read by the scripts that source this file

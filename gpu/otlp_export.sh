@@ -2,11 +2,15 @@
 # Issue 6 on a real GPU: a PyTorch run (gpu/workloads/torch_loop.py) under
 # `gpu-observer run` (CUPTI) exporting OTLP over gRPC to otlp-sink, a stand-alone receiver
 # (tests/src/bin/otlp-sink.rs, in .gpu-bundle) that decodes every request; then the decoded
-# spans and metrics are compared with the observer's own JSON lines of the same run.
+# spans and metrics are compared with the observer's own JSON lines of the same run
+# (gpucheck.otlp_report).
 #
 # usage (root, repo root): OBSERVER=.gpu-bundle/gpu-observer gpu/otlp_export.sh [OUTDIR]
 # Writes OUTDIR/OTLP-EXPORT.md, sink.json (what was decoded) and run.jsonl.gz.
 set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=SCRIPTDIR/lib.sh
+source "$HERE/lib.sh"
 OBSERVER=${OBSERVER:-.gpu-bundle/gpu-observer}
 SINK=${SINK:-$(dirname "$OBSERVER")/otlp-sink}
 OUTDIR=${1:-${OUT:-/tmp/gpu-otlp}}
@@ -25,61 +29,5 @@ timeout --kill-after=10 200 "$OBSERVER" --format jsonl --output "$WORK/run.jsonl
 kill -TERM "$SINK_PID" 2>/dev/null || true
 wait "$SINK_PID" || true
 cat "$WORK/observer.err" "$WORK/sink.err" >&2
-"$PYTHON" - "$OUTDIR/sink.json" "$WORK/run.jsonl" "$rc" <<'PY' | tee "$OUTDIR/OTLP-EXPORT.md"
-import collections, json, sys
-sink, jsonl, rc = json.load(open(sys.argv[1])), sys.argv[2], int(sys.argv[3])
-ev = [json.loads(l) for l in open(jsonl)]
-total = ev[-1]
-pid = max((e for e in ev if e.get("type") == "summary" and e.get("scope") == "process"),
-          key=lambda e: e.get("launches", 0))["pid"]
-mine = [e for e in ev if e.get("pid") == pid]
-count = collections.Counter()
-for e in mine:
-    t = e.get("type")
-    if t in ("launch", "memcpy", "memset", "alloc", "free", "sync", "init", "module", "symbol"):
-        count[e["api"]] += 1
-    elif t == "ioctl":
-        count["<ioctl>"] += 1
-    elif t == "gpu_kernel":
-        count["gpu_kernel <name>" if e.get("kernel") else "gpu_kernel"] += 1
-    elif t in ("gpu_memcpy", "gpu_memset"):
-        count[t] += 1
-spans = dict(sink["spans_by_name"])
-ioctl_spans = sum(v for k, v in spans.items() if k.startswith(("NV_", "UVM_", "ioctl")))
-rows, ok = [], True
-def check(what, want, got):
-    global ok
-    good = want == got
-    ok &= good
-    rows.append(f"| {what} | {want} | {got} | {'ok' if good else '**MISMATCH**'} |")
-for api in sorted(k for k in count if k.startswith("cu")):
-    check(f"`{api}` spans = the observer's `{api}` lines", count[api], spans.get(api, 0))
-check("ioctl spans = ioctl lines", count["<ioctl>"], ioctl_spans)
-check("`gpu_kernel <name>` spans = named gpu_kernel lines", count["gpu_kernel <name>"], spans.get("gpu_kernel <name>", 0))
-check("`gpu_memcpy` spans = gpu_memcpy lines", count["gpu_memcpy"], spans.get("gpu_memcpy", 0))
-o = total.get("otlp") or {}
-check("summary otlp.spans_exported = spans decoded", o.get("spans_exported"), sink["spans"])
-check("summary otlp.spans_dropped", 0, o.get("spans_dropped"))
-ps = next(e for e in ev if e.get("type") == "summary" and e.get("scope") == "process" and e["pid"] == pid)
-launch_pts = [p for p in sink["metrics"].get("gpu.cuda.launches", {}).get("points", [])
-              if p["attributes"].get("process.pid") == str(pid)]
-check("metric gpu.cuda.launches = summary launches", ps["launches"], launch_pts[0]["value"] if launch_pts else None)
-kd = sink["metrics"].get("gpu.cuda.kernel.duration", {}).get("points", [])
-check("kernel GPU-time histogram: kernels counted = gpu_kernel lines",
-      sum(1 for e in mine if e.get("type") == "gpu_kernel"), int(sum(p.get("count", 0) for p in kd)))
-print(f"# OTLP export of a PyTorch run, decoded\n")
-print(f"gpu-observer run (CUPTI) of torch_loop.py, pid {pid}, exporting over gRPC to otlp-sink; observer exit {rc}. "
-      f"{sink['spans']} spans in {sink['traces']} traces ({sink['trace_requests']} requests), "
-      f"{sink['metric_requests']} metric requests decoded.\n")
-print("| check | observer's JSON lines | decoded from OTLP | |\n|---|---:|---:|---|")
-print("\n".join(rows))
-print(f"\nResource: {json.dumps(sink['resource'])}\n")
-print("Sample spans:\n\n```\n" + json.dumps(sink["sample_spans"][:3], indent=1) + "\n```")
-kl = sorted(kd, key=lambda p: -p.get("sum", 0))[:5]
-print("\nKernel GPU time (histogram, top 5 labels):\n")
-for p in kl:
-    print(f"- {p['attributes'].get('gpu.kernel')}: {p['count']} kernels, {p['sum'] * 1e3:.3f} ms")
-print(f"\nOverall: {'PASS' if ok and rc == 0 else 'FAIL'}")
-sys.exit(0 if ok and rc == 0 else 1)
-PY
+"$PYTHON" -m gpucheck.otlp_report "$OUTDIR/sink.json" "$WORK/run.jsonl" "$rc" | tee "$OUTDIR/OTLP-EXPORT.md"
 gzip -c "$WORK/run.jsonl" >"$OUTDIR/run.jsonl.gz"

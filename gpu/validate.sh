@@ -3,7 +3,7 @@
 # (all-process mode, JSONL) and compare captured vs expected counts, kernel names,
 # copy directions and the leak report; then run cuda-ground-truth and torch_loop under
 # `gpu-observer run --trace-all` (CUPTI injection library) and check the GPU-side
-# records (compare_cupti.py: joined to their launches, timestamps, counts, names).
+# records (gpucheck.compare_cupti: joined to their launches, timestamps, counts, names).
 #
 # usage (as root, from the repo root):
 #   OBSERVER=.gpu-bundle/gpu-observer GIT_COMMIT=$(git rev-parse HEAD) gpu/validate.sh [OUTDIR]
@@ -103,7 +103,7 @@ log "CUPTI injection library: ${CUPTI_LIB_PATH:-not found}; observer run subcomm
 nvidia-smi >"$WORK/nvidia-smi.txt" 2>&1 || die "nvidia-smi failed: $(tail -n 3 "$WORK/nvidia-smi.txt")"
 sed -n '1,12p' "$WORK/nvidia-smi.txt"
 "$NVCC_BIN" --version | sed -n '$p'
-"$PYTHON" "$HERE/make_report.py" env --out "$WORK/env.json" \
+"$PYTHON" -m gpucheck.make_report env --out "$WORK/env.json" \
     --observer "$OBSERVER" --nvcc "$NVCC_BIN" --python "$PYTHON" \
     --cupti-lib "$CUPTI_LIB_PATH" --observer-run "$OBS_RUN_HELP"
 
@@ -169,7 +169,7 @@ run_one() {
     fi
     [[ -z ${STATUS[$name]:-} ]] || return 0
     local crc=0
-    "$PYTHON" "$HERE/compare.py" --workload "$wjson" --events "$EVENTS" --name "$name" \
+    "$PYTHON" -m gpucheck.compare --workload "$wjson" --events "$EVENTS" --name "$name" \
         --title "$title" --comm-hint "$hint" \
         --section-out "$WORK/$name.section.md" --result-out "$WORK/$name.result.json" || crc=$?
     case $crc in
@@ -208,7 +208,7 @@ finish_run() {
 # file; the observer (all processes) is started only then, so it attaches to a process
 # that is already running CUDA; once it is ready the start file is created and the
 # workload makes its known calls; then the observer is stopped and
-# compare_ground_truth.py checks every API count, bytes, kernel names, generic copy
+# gpucheck.compare_ground_truth checks every API count, bytes, kernel names, generic copy
 # directions and the leak report.
 run_ground_truth() {
     local name=ground_truth
@@ -262,7 +262,7 @@ run_ground_truth() {
     # Compare whenever there is something to compare, also after a failed hypothesis.
     [[ -s $wjson && -s $EVENTS ]] || return 0
     local crc=0
-    "$PYTHON" "$HERE/compare_ground_truth.py" --workload "$wjson" --events "$EVENTS" \
+    "$PYTHON" -m gpucheck.compare_ground_truth --workload "$wjson" --events "$EVENTS" \
         --name "$name" --title "$title" --comm-hint cuda-ground-tru \
         --api-table "$REPO_ROOT/gpu-observer-common/src/api.rs" \
         --section-out "$WORK/$name.section.md" --result-out "$WORK/$name.result.json" || crc=$?
@@ -281,9 +281,9 @@ run_ground_truth() {
 
 # run_cupti NAME TITLE COMM_HINT KIND cmd...
 # The workload under `gpu-observer run --trace-all` (CUPTI injection library), then
-# compare_cupti.py.  KIND torch: cmd gets NAME.json as last argument and runs with
+# gpucheck.compare_cupti.  KIND torch: cmd gets NAME.json as last argument and runs with
 # TORCH_LOOP_NO_PROFILER=1; KIND ground: cmd gets `--out NAME.json`, and
-# compare_ground_truth.py also checks the uprobe side of the same run (NAME_uprobes).
+# gpucheck.compare_ground_truth also checks the uprobe side of the same run (NAME_uprobes).
 run_cupti() {
     local name=$1 title=$2 hint=$3 kind=$4
     shift 4
@@ -344,7 +344,7 @@ run_cupti() {
     [[ -z $up || -z ${STATUS[$name]:-} ]] || STATUS[$up]=${STATUS[$name]}
     [[ -s $wjson && -s $EVENTS ]] || return 0
     local crc=0
-    "$PYTHON" "$HERE/compare_cupti.py" --workload "$wjson" --events "$EVENTS" --name "$name" \
+    "$PYTHON" -m gpucheck.compare_cupti --workload "$wjson" --events "$EVENTS" --name "$name" \
         --title "$title" --comm-hint "$hint" --tolerance-ns "$CUPTI_TOLERANCE_NS" \
         --section-out "$WORK/$name.section.md" --result-out "$WORK/$name.result.json" || crc=$?
     if [[ -z ${STATUS[$name]:-} ]]; then
@@ -356,7 +356,7 @@ run_cupti() {
     fi
     [[ -n $up ]] || return 0
     crc=0
-    "$PYTHON" "$HERE/compare_ground_truth.py" --workload "$wjson" --events "$EVENTS" \
+    "$PYTHON" -m gpucheck.compare_ground_truth --workload "$wjson" --events "$EVENTS" \
         --name "$up" --title "cuda-ground-truth under gpu-observer run (CUPTI injected): uprobe checks" \
         --comm-hint "$hint" --api-table "$REPO_ROOT/gpu-observer-common/src/api.rs" \
         --section-out "$WORK/$up.section.md" --result-out "$WORK/$up.result.json" || crc=$?
@@ -403,7 +403,7 @@ fi
 for n in "${NAMES[@]}"; do
     printf '%s\t%s\n' "$n" "${STATUS[$n]}" >>"$WORK/status.tsv"
 done
-"$PYTHON" "$HERE/make_report.py" assemble --env "$WORK/env.json" \
+"$PYTHON" -m gpucheck.make_report assemble --env "$WORK/env.json" \
     --out "$WORK/VALIDATION.md" --results-json "$WORK/validate-results.json" \
     --status-file "$WORK/status.tsv" --dir "$WORK" "${NAMES[@]}" || warn "report assembly failed"
 

@@ -5,7 +5,7 @@
 # matmuls on every GPU, with nvidia-smi memory captures in parallel (device and per-process
 # memory within 1 MiB, attribution to the right GPU, utilization, sample interval, sampler
 # cost); and an idle run (no workload) for the sampler's own cost.  The comparisons are in
-# gpu/compare_nvml.py.
+# gpu/gpucheck/compare_nvml.py.
 #
 # usage (as root, from the repo root; ~1 minute, at most BUDGET_S=170 s):
 #   OBSERVER=.gpu-bundle/gpu-observer GIT_COMMIT=$(git rev-parse HEAD) gpu/validate_nvml.sh [OUTDIR]
@@ -141,7 +141,7 @@ observe() {
     fi
     if [[ -n $cap ]]; then
         rm -f "$WORK/$name.capstop"
-        timeout --kill-after=5 "$(tmo $((dur + 20)))" "$PYTHON" "$HERE/compare_nvml.py" capture \
+        timeout --kill-after=5 "$(tmo $((dur + 20)))" "$PYTHON" -m gpucheck.compare_nvml capture \
             --out "$WORK/$name.captures.jsonl" --duration "$((dur + 5))" --interval "$CAPTURE_INTERVAL" \
             --stop-file "$WORK/$name.capstop" >"$WORK/$name.capture.log" 2>&1 &
         CAP_PID=$!
@@ -167,14 +167,14 @@ require_root
 require_tools timeout grep sed tail "$PYTHON" "$NVIDIA_SMI"
 resolve_observer "$REPO_ROOT"
 log "observer: $OBSERVER"
-"$PYTHON" "$HERE/make_report.py" env --out "$WORK/env.json" --observer "$OBSERVER" \
+"$PYTHON" -m gpucheck.make_report env --out "$WORK/env.json" --observer "$OBSERVER" \
     >"$WORK/env.log" 2>&1 || warn "environment capture failed (see env.log)"
 
 # ------------------------------------------------------------ 1. nvidia-smi
 log "=== nvidia-smi -q and --query-gpu"
 timeout --kill-after=5 "$(tmo 30)" "$NVIDIA_SMI" -q >"$WORK/nvidia-smi-q.txt" 2>&1 ||
     warn "nvidia-smi -q failed (rc $?): $(tail -n 2 "$WORK/nvidia-smi-q.txt")"
-timeout --kill-after=5 "$(tmo 60)" "$PYTHON" "$HERE/compare_nvml.py" smi-static \
+timeout --kill-after=5 "$(tmo 60)" "$PYTHON" -m gpucheck.compare_nvml smi-static \
     --out "$WORK/smi_static.json" --q-text "$WORK/nvidia-smi-q.txt" ||
     warn "nvidia-smi --query-gpu gave no GPU"
 GPU_LIST=()   # "index uuid" per GPU
@@ -320,11 +320,11 @@ for n in ${NOTES[@]+"${NOTES[@]}"}; do
 done
 log "=== report"
 crc=0
-timeout --kill-after=5 60 "$PYTHON" "$HERE/compare_nvml.py" report "${RARGS[@]}" || crc=$?
+timeout --kill-after=5 60 "$PYTHON" -m gpucheck.compare_nvml report "${RARGS[@]}" || crc=$?
 log "=== ${SECONDS}s total"
 case $crc in
 0) log "NVML VALIDATION PASSED" ;;
 1) log "NVML VALIDATION FAILED" ;;
-*) log "NVML VALIDATION FAILED (compare_nvml.py error rc=$crc)" ;;
+*) log "NVML VALIDATION FAILED (gpucheck.compare_nvml error rc=$crc)" ;;
 esac
 exit "$((crc == 0 ? 0 : 1))"

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Fakes of gpu-observer's NVML sampling, nvidia-smi and nvml_alloc.py, for testing
-gpu/validate_nvml.sh and gpu/compare_nvml.py without a GPU.  One file, chosen by the name
+gpu/validate_nvml.sh and gpu/gpucheck/compare_nvml.py without a GPU.  One file, chosen by the name
 it is called by (symlink it) or its first argument:
 
   fake_nvml_observer.py devices [--format json]     the observer's device list

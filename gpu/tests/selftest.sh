@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# No-GPU self-test of the validation tooling: compare.py / compare_ground_truth.py /
-# compare_cupti.py / make_report.py / bench_report.py / bench_cupti_report.py on
-# synthetic JSONL, the observer lifecycle in lib.sh (all-process and `run` mode)
-# against tests/fake_observer.py, and bench_cupti.sh end to end with the fakes.
+# No-GPU self-test of the validation tooling: the package gpu/gpucheck (its one JSON-lines
+# reader; compare, compare_ground_truth, compare_cupti, make_report, bench_report,
+# bench_cupti_report, compare_nvml) on synthetic JSONL, the observer lifecycle in lib.sh
+# (all-process and `run` mode) against tests/fake_observer.py, and bench_cupti.sh and
+# validate_nvml.sh end to end with the fakes.
 # Run: bash gpu/tests/selftest.sh
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 GPU=$(cd "$HERE/.." && pwd)
 PY=${PYTHON:-python3}
+export PYTHONPATH="$GPU${PYTHONPATH:+:$PYTHONPATH}" # `"$PY" -m gpucheck.MODULE`, as lib.sh does
 T=$(mktemp -d /tmp/gpu-selftest.XXXXXX)
 trap 'rm -rf "$T"' EXIT
 pass=0
@@ -36,16 +38,47 @@ has() { # pattern file... -> 0 if every file contains pattern
 cmp_rc() { # prefix name [extra compare args]
     local p=$1 n=$2 rc=0
     shift 2
-    "$PY" "$GPU/compare.py" --workload "$p.json" --events "$p.jsonl" --name "$n" \
+    "$PY" -m gpucheck.compare --workload "$p.json" --events "$p.jsonl" --name "$n" \
         --section-out "$T/$n.section.md" --result-out "$T/$n.result.json" "$@" >"$T/$n.out" 2>&1 || rc=$?
     echo "$rc"
 }
 
-# --- compare.py
+# --- gpucheck.jsonl: the one JSON-lines reader (every script reads observer output through it).
+# Expected: what the comparers' own readers did before (a torn last line or a non-JSON line is
+# counted and skipped, reading goes on; a JSON value that is not an object is skipped; blank
+# lines are not counted as lines); new: a line over the bound (16 Mi characters; 1000 here) is
+# dropped without being held whole, and counted as bad.
+jt() { "$PY" "$HERE/jsonl_test.py" "$1" "$T" 2>&1; }
+check "jsonl: torn last line -> counted bad, the lines before it read" \
+    "yield 1,2,3; lines 4 bad 1 oversize 0 not_object 0 blank 0 filtered 0" "$(jt torn)"
+check "jsonl: torn last line of a gzipped file" \
+    "yield 1,2; lines 3 bad 1 oversize 0 not_object 0 blank 0 filtered 0" "$(jt torn_gz)"
+check "jsonl: non-JSON lines -> counted bad, reading goes on" \
+    "yield 1,2; lines 4 bad 2 oversize 0 not_object 0 blank 0 filtered 0" "$(jt not_json)"
+check "jsonl: JSON values that are not objects -> skipped, counted" \
+    "yield 1,2; lines 5 bad 0 oversize 0 not_object 3 blank 0 filtered 0" "$(jt not_object)"
+check "jsonl: blank lines -> not lines" \
+    "yield 1,2; lines 2 bad 0 oversize 0 not_object 0 blank 3 filtered 0" "$(jt blank)"
+check "jsonl: oversize lines -> dropped, counted bad; the next line read; the bound itself fits" \
+    "yield 1,2,6; lines 5 bad 2 oversize 2 not_object 0 blank 0 filtered 0" "$(jt oversize)"
+check "jsonl: a 3 MiB line under the default bound -> read" \
+    "yield 1,2,3; lines 3 bad 0 oversize 0 not_object 0 blank 0 filtered 0" "$(jt long)"
+check "jsonl: pre-filter -> only matching lines parsed, every line counted" \
+    "yield 1,3; lines 5 bad 1 oversize 0 not_object 0 blank 0 filtered 2" "$(jt filter)"
+check "jsonl: undecodable bytes replaced, not an error" \
+    "yield 1,2,3; lines 3 bad 0 oversize 0 not_object 0 blank 0 filtered 0 | kernel 'k\ufffd\ufffd'" "$(jt bad_bytes)"
+check "jsonl: truncated gzip stream -> EOFError, as before" EOFError "$(jt truncated_gz)"
+check "jsonl: missing file -> FileNotFoundError" FileNotFoundError "$(jt missing)"
+
+# --- gpucheck.compare
 "$PY" "$HERE/synth.py" copies "$T/c1"
 check "copies exact" 0 "$(cmp_rc "$T/c1" c1)"
 check "copies section has bytes row" 0 "$(has "HtoD bytes" "$T/c1.section.md")"
 check "copies section has API histogram" 0 "$(has cuLaunchKernel "$T/c1.section.md")"
+{ cat "$T/c1.jsonl"; echo "not json"; printf '{"type": "launch", "pid": 4242, "ts_n'; } >"$T/c1torn.jsonl"
+cp "$T/c1.json" "$T/c1torn.json"
+check "copies with a garbage line and a torn last line -> pass, both counted" "0 0" \
+    "$(cmp_rc "$T/c1torn" c1torn) $(has "WARN: 2 unparsable JSONL lines" "$T/c1torn.out")"
 
 "$PY" "$HERE/synth.py" copies "$T/c2" --ptds
 check "copies ptds exact" 0 "$(cmp_rc "$T/c2" c2)"
@@ -91,11 +124,11 @@ check "style-blind match shown" 0 "$(has "blind to demangler style: 100.0%" "$T/
 check "divergence point shown" 0 "$(has "observer has \`(unsigned long)4>" "$T/t7.out")"
 check "phase A names are informational" 0 "$(has "launch names seen by the profiler self-check" "$T/t1.section.md")"
 
-# --- compare_ground_truth.py
+# --- gpucheck.compare_ground_truth
 gt_rc() { # prefix name [extra compare args]
     local p=$1 n=$2 rc=0
     shift 2
-    "$PY" "$GPU/compare_ground_truth.py" --workload "$p.json" --events "$p.jsonl" --name "$n" \
+    "$PY" -m gpucheck.compare_ground_truth --workload "$p.json" --events "$p.jsonl" --name "$n" \
         --section-out "$T/$n.section.md" --result-out "$T/$n.result.json" "$@" >"$T/$n.out" 2>&1 || rc=$?
     echo "$rc"
 }
@@ -119,24 +152,24 @@ done
 check "ground truth: pid fallback by comm -> pass" 0 "$(gt_rc "$T/g2" g2)"
 check "ground truth: pid fallback warned" 0 "$(has "falling back" "$T/g2.out")"
 rc=0
-"$PY" "$GPU/compare_ground_truth.py" --workload "$T/t1.json" --events "$T/g1.jsonl" --name bad >/dev/null 2>&1 || rc=$?
+"$PY" -m gpucheck.compare_ground_truth --workload "$T/t1.json" --events "$T/g1.jsonl" --name bad >/dev/null 2>&1 || rc=$?
 check "ground truth: wrong workload JSON -> rc 2" 2 "$rc"
 
 gzip -k "$T/t1.jsonl"
 rc=0
-"$PY" "$GPU/compare.py" --workload "$T/t1.json" --events "$T/t1.jsonl.gz" --name t1gz >/dev/null || rc=$?
+"$PY" -m gpucheck.compare --workload "$T/t1.json" --events "$T/t1.jsonl.gz" --name t1gz >/dev/null || rc=$?
 check "gzip input" 0 "$rc"
 
 rc=0
-"$PY" "$GPU/compare.py" --workload "$T/nope.json" --events "$T/t1.jsonl" --name x >/dev/null 2>&1 || rc=$?
+"$PY" -m gpucheck.compare --workload "$T/nope.json" --events "$T/t1.jsonl" --name x >/dev/null 2>&1 || rc=$?
 check "missing workload json -> rc 2" 2 "$rc"
 
-# --- make_report.py
+# --- gpucheck.make_report
 rc=0
-"$PY" "$GPU/make_report.py" env --out "$T/env.json" --nvcc /nonexistent --python "$PY" >/dev/null || rc=$?
+"$PY" -m gpucheck.make_report env --out "$T/env.json" --nvcc /nonexistent --python "$PY" >/dev/null || rc=$?
 check "make_report env without GPU tools" 0 "$rc"
 rc=0
-"$PY" "$GPU/make_report.py" assemble --env "$T/env.json" --out "$T/VALIDATION.md" --dir "$T" \
+"$PY" -m gpucheck.make_report assemble --env "$T/env.json" --out "$T/VALIDATION.md" --dir "$T" \
     g1 c1 c2 t1 missing_run >/dev/null || rc=$?
 check "make_report assemble" 0 "$rc"
 check "report marks missing run" 0 "$(has "NOT RUN" "$T/VALIDATION.md")"
@@ -144,20 +177,20 @@ check "report contains phase B row" 0 "$(has phaseB "$T/VALIDATION.md")"
 check "report has the ground-truth row" 0 "$(has "| g1 | window | PASS | 12 / 12 | 18 / 18 | named 100.0% (12/12) |" "$T/VALIDATION.md")"
 check "report shows phase B name match" 0 "$(has "= profiler 100.00% (270/270)" "$T/VALIDATION.md")"
 
-# --- bench_report.py
+# --- gpucheck.bench_report
 "$PY" "$HERE/synth.py" bench "$T/b" --drop-launch 5
 rc=0
-"$PY" "$GPU/bench_report.py" --base1 "$T/b.base.json" --with "$T/b.json" --base2 "$T/b.base.json" \
+"$PY" -m gpucheck.bench_report --base1 "$T/b.base.json" --with "$T/b.json" --base2 "$T/b.base.json" \
     --events "$T/b.jsonl" --env "$T/env.json" --out "$T/BENCH.md" --summary-json "$T/bs.json" >"$T/b.out" || rc=$?
 check "bench_report" 0 "$rc"
 check "bench_report counts captured launches" 0 "$(has "3763 / 3768" "$T/BENCH.md")"
 check "bench_report has submit overhead" 0 "$(has "submit: overhead per launch call | 0.600" "$T/BENCH.md")"
 
-# --- compare_cupti.py (CUPTI records of runs under `gpu-observer run`)
+# --- gpucheck.compare_cupti (CUPTI records of runs under `gpu-observer run`)
 cu_rc() { # prefix name [extra compare args]
     local p=$1 n=$2 rc=0
     shift 2
-    "$PY" "$GPU/compare_cupti.py" --workload "$p.json" --events "$p.jsonl" --name "$n" \
+    "$PY" -m gpucheck.compare_cupti --workload "$p.json" --events "$p.jsonl" --name "$n" \
         --section-out "$T/$n.section.md" --result-out "$T/$n.result.json" "$@" >"$T/$n.out" 2>&1 || rc=$?
     echo "$rc"
 }
@@ -215,13 +248,13 @@ for fault in "--unjoined 1" "--ts-off 1" "--drop-gpu-kernel 1" "--state busy" "-
 done
 gzip -k "$T/ct1.jsonl"
 rc=0
-"$PY" "$GPU/compare_cupti.py" --workload "$T/ct1.json" --events "$T/ct1.jsonl.gz" --name ctgz >/dev/null || rc=$?
+"$PY" -m gpucheck.compare_cupti --workload "$T/ct1.json" --events "$T/ct1.jsonl.gz" --name ctgz >/dev/null || rc=$?
 check "cupti: gzip input" 0 "$rc"
 rc=0
-"$PY" "$GPU/compare_cupti.py" --workload "$T/nope.json" --events "$T/ct1.jsonl" --name x >/dev/null 2>&1 || rc=$?
+"$PY" -m gpucheck.compare_cupti --workload "$T/nope.json" --events "$T/ct1.jsonl" --name x >/dev/null 2>&1 || rc=$?
 check "cupti: missing workload json -> rc 2" 2 "$rc"
 rc=0
-"$PY" "$GPU/compare_cupti.py" --workload "$T/ct1.json" --events "$T/c1.jsonl" --name cnone >"$T/cnone.out" 2>&1 || rc=$?
+"$PY" -m gpucheck.compare_cupti --workload "$T/ct1.json" --events "$T/c1.jsonl" --name cnone >"$T/cnone.out" 2>&1 || rc=$?
 check "cupti: a run without CUPTI lines -> fail" 1 "$rc"
 check "cupti: no gpu_kernel warned" 0 "$(has "no gpu_kernel line" "$T/cnone.out")"
 # the same comparison in the report
@@ -230,7 +263,7 @@ cp "$T/cupti_ct1.section.md" "$T/cupti_torch_loop.section.md"
 cp "$T/cupti_ct5.result.json" "$T/cupti_busy.result.json"
 printf 'cupti_missing\tSKIPPED (the observer has no run subcommand (older build?))\n' >"$T/cstatus.tsv"
 rc=0
-"$PY" "$GPU/make_report.py" assemble --env "$T/env.json" --out "$T/VALIDATION_CUPTI.md" --dir "$T" \
+"$PY" -m gpucheck.make_report assemble --env "$T/env.json" --out "$T/VALIDATION_CUPTI.md" --dir "$T" \
     --status-file "$T/cstatus.tsv" --results-json "$T/vc.json" \
     g1 t1 cupti_torch_loop cupti_busy cupti_missing >/dev/null || rc=$?
 check "make_report assemble with CUPTI runs" 0 "$rc"
@@ -241,14 +274,14 @@ check "report: skipped CUPTI run with its reason" 0 "$(has "older build" "$T/VAL
 check "report: CUPTI section heading" 0 "$(has "## CUPTI: GPU-side records" "$T/VALIDATION_CUPTI.md")"
 check "report: overall FAIL with a failing CUPTI run" 0 "$(has "Overall: \*\*FAIL" "$T/VALIDATION_CUPTI.md")"
 rc=0
-"$PY" "$GPU/make_report.py" assemble --env "$T/env.json" --out "$T/VALIDATION_C2.md" --dir "$T" \
+"$PY" -m gpucheck.make_report assemble --env "$T/env.json" --out "$T/VALIDATION_C2.md" --dir "$T" \
     g1 cupti_torch_loop >/dev/null || rc=$?
 check "report: all CUPTI checks pass -> overall PASS" 0 "$(has "Overall: \*\*PASS" "$T/VALIDATION_C2.md")"
 
-# --- bench_cupti_report.py
+# --- gpucheck.bench_cupti_report
 "$PY" "$HERE/synth.py" bench_cupti "$T/bc1"
 rc=0
-"$PY" "$GPU/bench_cupti_report.py" report --dir "$T/bc1.d" --plan "$T/bc1.d/plan.tsv" \
+"$PY" -m gpucheck.bench_cupti_report report --dir "$T/bc1.d" --plan "$T/bc1.d/plan.tsv" \
     --env "$T/env.json" --out "$T/BENCH_CUPTI.md" --summary-json "$T/bcs.json" >"$T/bc1.out" || rc=$?
 check "bench_cupti_report" 0 "$rc"
 check "bench_cupti_report: CUPTI overhead and target met" 0 "$(has "CUPTI mode overhead: +3.00% (MET" "$T/BENCH_CUPTI.md")"
@@ -257,17 +290,17 @@ check "bench_cupti_report: CPU issue share" 0 "$(has "CPU issue time without obs
 check "bench_cupti_report: kernels per step from uprobes" 0 "$(has "uprobe launch events per timed step (uprobes runs): 412.0" "$T/BENCH_CUPTI.md")"
 check "bench_cupti_report: CUPTI block per run" 0 "$(has "| active | 95000 / 95000 / 0 | 0 / 0 / 40 |" "$T/BENCH_CUPTI.md")"
 "$PY" "$HERE/synth.py" bench_cupti "$T/bc2" --cupti-slow --drop-run --state busy
-"$PY" "$GPU/bench_cupti_report.py" report --dir "$T/bc2.d" --plan "$T/bc2.d/plan.tsv" \
+"$PY" -m gpucheck.bench_cupti_report report --dir "$T/bc2.d" --plan "$T/bc2.d/plan.tsv" \
     --out "$T/BENCH_CUPTI2.md" >/dev/null 2>&1 || true
 check "bench_cupti_report: target not met" 0 "$(has "(NOT MET" "$T/BENCH_CUPTI2.md")"
 check "bench_cupti_report: missing run listed" 0 "$(has "runs without a result: r2_profiler" "$T/BENCH_CUPTI2.md")"
 check "bench_cupti_report: CUPTI not active warned" 0 "$(has "CUPTI state in the CUPTI-mode runs: busy" "$T/BENCH_CUPTI2.md")"
 "$PY" -c 'import json,sys; w=json.load(open(sys.argv[1])); json.dump({"pid": 4242, "window_start_ns": w["phaseA"]["start_ns"], "window_end_ns": w["phaseB"]["end_ns"]}, open(sys.argv[2], "w"))' \
     "$T/ct1.json" "$T/ext_w.json"
-"$PY" "$GPU/bench_cupti_report.py" extract --events "$T/ct1.jsonl.gz" --workload "$T/ext_w.json" \
+"$PY" -m gpucheck.bench_cupti_report extract --events "$T/ct1.jsonl.gz" --workload "$T/ext_w.json" \
     --out "$T/ext.obs.json" >/dev/null
 check "bench_cupti_report extract: launches in window, CUPTI block" 0 "$(has '"launches_in_window": 321' "$T/ext.obs.json")$(has '"state": "active"' "$T/ext.obs.json" | tr -d 0)"
-"$PY" "$GPU/bench_cupti_report.py" extract --events "$T/nonexistent.jsonl" --out "$T/ext2.obs.json" >/dev/null
+"$PY" -m gpucheck.bench_cupti_report extract --events "$T/nonexistent.jsonl" --out "$T/ext2.obs.json" >/dev/null
 check "bench_cupti_report extract without output" 0 "$(has '"error"' "$T/ext2.obs.json")"
 
 # --- lib.sh observer lifecycle with the fake observer
@@ -448,7 +481,7 @@ check "bench_cupti.sh: failing run listed" 0 "$(has "runs without a result: r1_p
 check "bench_cupti.sh: observer without run -> rc 1" 1 "$(bench_cupti_e2e bce3 FAKE_NO_RUN=1)"
 check "bench_cupti.sh: says why" 0 "$(has "no 'run' subcommand" "$T/bce3.log")"
 
-# --- NVML sampling: compare_nvml.py on synthetic scenarios, validate_nvml.sh with the fakes
+# --- NVML sampling: gpucheck.compare_nvml on synthetic scenarios, validate_nvml.sh with the fakes
 NV_FAKE="$HERE/fake_nvml_observer.py"
 chmod +x "$NV_FAKE"
 nv_st() { # check-id results.json -> that check's status
@@ -456,14 +489,19 @@ nv_st() { # check-id results.json -> that check's status
 r=json.load(open(sys.argv[2]))
 print(next((c["status"] for c in r["checks"] if c["id"]==sys.argv[1]), "missing"))' "$1" "$2" 2>/dev/null || echo error
 }
-nv_rc() { # name gpus [fault...] -> compare_nvml.py report rc on a synthetic scenario in $T/nv_NAME
-    local n=$1 g=$2 d="$T/nv_$1" rc=0 f
+nv_rc() { # name gpus [fault...] -> gpucheck.compare_nvml report rc on a synthetic scenario in $T/nv_NAME
+    local n=$1 g=$2 d="$T/nv_$1" f
     shift 2
-    local -a fa=() wl=()
+    local -a fa=()
     for f in "$@"; do fa+=(--fault "$f"); done
     "$PY" "$NV_FAKE" synth "$d" --gpus "$g" ${fa[@]+"${fa[@]}"} >/dev/null
+    nv_report "$d" "$g"
+}
+nv_report() { # dir gpus -> gpucheck.compare_nvml report rc on the scenario in dir (R.md, R.json)
+    local d=$1 g=$2 rc=0 f
+    local -a wl=()
     for f in "$d"/wl*.result.json; do wl+=(--workload "$f"); done
-    "$PY" "$GPU/compare_nvml.py" report --smi-static "$d/smi_static.json" \
+    "$PY" -m gpucheck.compare_nvml report --smi-static "$d/smi_static.json" \
         --devices-json "$d/devices.json" --devices-rc 0 --devices-table "$d/devices.txt" --devices-table-rc 0 \
         --active-events "$d/run.jsonl" --captures "$d/run.captures.jsonl" "${wl[@]}" \
         --expected-workloads "$g" --idle-events "$d/idle.jsonl" \
@@ -474,6 +512,11 @@ check "nvml: synthetic 2 GPUs, all consistent -> pass" 0 "$(nv_rc ok 2)"
 check "nvml: report says PASS" 0 "$(has "Overall: \*\*PASS" "$T/nv_ok/R.md")"
 check "nvml: pci bus id domain/case normalised" PASS "$(nv_st devices.fields "$T/nv_ok/R.json")"
 check "nvml: diff distribution reported" 0 "$(has "diffs (MiB): +0.50 ×15" "$T/nv_ok/R.md")"
+cp -r "$T/nv_ok" "$T/nv_torn"
+printf '{"type": "nvml", "scope": "device", "uuid": "GPU-' >>"$T/nv_torn/run.jsonl"
+printf 'not json\n{"seq": 99, "query": "gpu", "t0' >>"$T/nv_torn/run.captures.jsonl"
+check "nvml: torn last lines (observer output, captures) -> pass, the line counted" "0 0" \
+    "$(nv_report "$T/nv_torn" 2) $(has '"lines": 325,' "$T/nv_torn/R.json")"
 check "nvml: memory off by 3 MiB -> fail" 1 "$(nv_rc memoff 1 mem_off_mib=3)"
 check "nvml: ... device memory check fails" FAIL "$(nv_st run.dev_memory "$T/nv_memoff/R.json")"
 check "nvml: ... process memory check fails" FAIL "$(nv_st run.proc_memory "$T/nv_memoff/R.json")"
@@ -504,7 +547,7 @@ check "nvml: ... skipped as unstable" 0 "$(has "15 unstable" "$T/nv_unstable/out
 check "nvml: nvidia-smi per-process memory N/A -> fail" 1 "$(nv_rc smina 1 smi_proc_na=1)"
 check "nvml: no device summary -> fail" 1 "$(nv_rc nosum 1 no_dev_summary=1)"
 rc=0
-"$PY" "$GPU/compare_nvml.py" report --smi-static "$T/nv_ok/smi_static.json" --md-out "$T/nv_none.md" \
+"$PY" -m gpucheck.compare_nvml report --smi-static "$T/nv_ok/smi_static.json" --md-out "$T/nv_none.md" \
     --active-events "$T/nonexistent.jsonl" --captures "$T/nonexistent.cap" >"$T/nv_none.out" 2>&1 || rc=$?
 check "nvml: no observer output -> fail, report still written" "1 0" "$rc $(has "NOT RUN" "$T/nv_none.md")"
 # the helpers against the fake nvidia-smi
@@ -514,18 +557,18 @@ ln -sf "$NV_FAKE" "$T/nvbin/fake_nvml_alloc.py"
 rc=0
 printf 'CUDA Version                              : 13.0\n' >"$T/nvq.txt"
 FAKE_GPUS=2 FAKE_NVML_STATE="$T/nvstate0" FAKE_SMI_NO_RESERVED=1 NVIDIA_SMI="$T/nvbin/nvidia-smi" \
-    "$PY" "$GPU/compare_nvml.py" smi-static --out "$T/nv_static.json" --q-text "$T/nvq.txt" >"$T/nv_static.out" 2>&1 || rc=$?
+    "$PY" -m gpucheck.compare_nvml smi-static --out "$T/nv_static.json" --q-text "$T/nvq.txt" >"$T/nv_static.out" 2>&1 || rc=$?
 check "nvml smi-static: field-by-field fallback when a field is rejected" "0 0 0" \
     "$rc $(has '"memory.reserved": "Field' "$T/nv_static.json") $(has '"cuda_version": "13.0"' "$T/nv_static.json")"
 check "nvml smi-static: the fields of both GPUs" 0 "$(has '"clocks.max.memory": "2619"' "$T/nv_static.json")"
 rc=0
 FAKE_NVML_STATE="$T/nvstate0" NVIDIA_SMI="$T/nvbin/nvidia-smi" \
-    "$PY" "$GPU/compare_nvml.py" capture --out "$T/nv_cap.jsonl" --duration 0.5 --interval 0.2 >/dev/null 2>&1 || rc=$?
+    "$PY" -m gpucheck.compare_nvml capture --out "$T/nv_cap.jsonl" --duration 0.5 --interval 0.2 >/dev/null 2>&1 || rc=$?
 check "nvml capture: gpu and apps queries with monotonic times" "0 0 0" \
     "$rc $(has '"query": "gpu"' "$T/nv_cap.jsonl") $(has '"query": "apps"' "$T/nv_cap.jsonl")"
-nv_norm=$("$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); import compare_nvml as c
+nv_norm=$("$PY" -c 'from gpucheck import compare_nvml as c
 print(c.norm_pci("0000:1b:00.0") == c.norm_pci("00000000:1B:00.0") == "00000000:1B:00.0",
-      c.num("[N/A]") is None, c.num("700.00 W") == 700.0, c.norm_cap("9.0") == "9.0")' "$GPU")
+      c.num("[N/A]") is None, c.num("700.00 W") == 700.0, c.norm_cap("9.0") == "9.0")')
 check "nvml: pci/N/A/unit normalisation" "True True True True" "$nv_norm"
 # validate_nvml.sh end to end with the fake observer, nvidia-smi and workload
 nv_e2e() { # name [env...] -> rc
@@ -548,13 +591,6 @@ check "validate_nvml.sh: without torch -> rc 1, reported as not run" "1 0" \
     "$(nv_e2e nve3 FAKE_NO_TORCH=1) $(has "PyTorch with CUDA not usable" "$T/nve3.out/NVML-VALIDATION.md")"
 check "validate_nvml.sh: observer fails to start -> rc 1, report written" "1 0" \
     "$(nv_e2e nve4 FAKE_NVML_FAULTS=die_early=1) $(has "did not start" "$T/nve4.out/NVML-VALIDATION.md")"
-
-# trace_outliers.py / trace_outliers.sh (its own self-test: synthetic traces, and tracefs here
-# when root).
-trc=0
-bash "$HERE/trace_outliers_selftest.sh" >"$T/trace_outliers.log" 2>&1 || trc=$?
-check "trace_outliers self-test" 0 "$trc"
-[[ $trc == 0 ]] || tail -n 20 "$T/trace_outliers.log"
 
 echo "$pass passed, $fail failed"
 ((fail == 0))

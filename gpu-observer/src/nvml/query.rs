@@ -270,8 +270,8 @@ pub const QUERY_NAMES: [&str; QUERIES] = [
 ];
 
 /// Latency of one query over the run. (Its CPU time is the same: NVML spins while it waits
-/// for the driver; measured once with `gpu/bench_nvml_queries.py`, not per query here, where
-/// two clock syscalls per query would cost more than the cheap queries themselves.)
+/// for the driver; measured once with `gpu/gpucheck/bench_nvml_queries.py`, not per query
+/// here, where two clock syscalls per query would cost more than the cheap queries themselves.)
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct QueryStat {
     pub count: u64,

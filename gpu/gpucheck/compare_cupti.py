@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Check gpu-observer's CUPTI records (GPU timestamps) of a workload run under `gpu-observer run`.
 
 usage:
-  compare_cupti.py --workload W.json --events RUN.jsonl[.gz] --name NAME
+  python3 -m gpucheck.compare_cupti --workload W.json --events RUN.jsonl[.gz] --name NAME
                    [--title TITLE] [--comm-hint PREFIX] [--tolerance-ns 5000]
                    [--section-out RUN.section.md] [--result-out RUN.result.json]
 
@@ -59,18 +58,14 @@ Exit status: 0 all strict checks pass, 1 a strict check failed, 2 bad input.
 """
 
 import argparse
-import json
 import os
 import sys
 from collections import Counter, defaultdict
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.dont_write_bytecode = True  # no __pycache__ in the source tree
-sys.path.insert(0, HERE)
-from compare import (  # noqa: E402
-    Check, ReadCounts, as_int, eprint, fmt_table, match_names, norm_name, pick_pid, read_events, short,
-    write_outputs,
-)
+from .checks import Check, comparer_args, pick_pid, write_outputs
+from .common import as_int, dist, eprint, fmt_ns, fmt_table, short
+from .jsonl import ReadCounts, read_json, read_jsonl
+from .names import match_names, norm_name
 
 TOLERANCE_NS = 5000
 # Share of joined lines that must meet the timestamp criterion (ii).
@@ -78,33 +73,6 @@ TIMESTAMP_SHARE = 0.99
 GPU_TYPES = ("gpu_kernel", "gpu_memcpy", "gpu_memset")
 # copy_kind of gpu_memcpy -> direction of the uprobe memcpy event
 KIND_DIRECTION = {"htod": "cpu_to_gpu", "dtoh": "gpu_to_cpu", "dtod": "gpu_to_gpu"}
-
-
-def percentile(sorted_vals, q):
-    """Nearest-rank percentile of an ascending list (q in 0..100); None if empty."""
-    if not sorted_vals:
-        return None
-    k = max(0, min(len(sorted_vals) - 1, int(-(-q * len(sorted_vals) // 100)) - 1))
-    return sorted_vals[k]
-
-
-def dist(vals):
-    v = sorted(vals)
-    if not v:
-        return {"n": 0, "min": None, "median": None, "p90": None, "p99": None, "max": None}
-    return {"n": len(v), "min": v[0], "median": percentile(v, 50), "p90": percentile(v, 90),
-            "p99": percentile(v, 99), "max": v[-1]}
-
-
-def fmt_ns(v):
-    if v is None:
-        return "-"
-    a = abs(v)
-    if a >= 10_000_000:
-        return f"{v / 1e6:.1f} ms"
-    if a >= 10_000:
-        return f"{v / 1e3:.1f} µs"
-    return f"{v} ns"
 
 
 def fmt_dist(d):
@@ -195,7 +163,7 @@ def scan(path):
     pids = defaultdict(PidData)
     total = None
     counts = ReadCounts()
-    for ev in read_events(path, counts):
+    for ev in read_jsonl(path, counts):
         typ = ev.get("type")
         pid = as_int(ev.get("pid"))
         if typ == "summary":
@@ -230,7 +198,7 @@ def scan(path):
             d.memsets.append(as_int(ev.get("ts_ns")))
         elif typ == "cupti":
             d.cupti.append(ev)
-    return {"pids": pids, "total": total, "lines": counts.lines, "bad": counts.bad}
+    return {"pids": pids, "total": total, "lines": counts.lines, "bad": counts.unusable}
 
 
 def resolve_pid(want, hint, sc, notes):
@@ -509,21 +477,15 @@ def metric_lines(m):
 
 
 def main():
-    ap = argparse.ArgumentParser(description="check gpu-observer CUPTI records against uprobes "
+    ap = argparse.ArgumentParser(prog="python3 -m gpucheck.compare_cupti",
+                                 description="check gpu-observer CUPTI records against uprobes "
                                              "and the workload")
-    ap.add_argument("--workload", required=True)
-    ap.add_argument("--events", required=True)
-    ap.add_argument("--name", required=True)
-    ap.add_argument("--title", default=None)
-    ap.add_argument("--comm-hint", default=None)
+    comparer_args(ap)
     ap.add_argument("--tolerance-ns", type=int, default=TOLERANCE_NS)
-    ap.add_argument("--section-out", default=None)
-    ap.add_argument("--result-out", default=None)
     a = ap.parse_args()
 
     try:
-        with open(a.workload, "r", encoding="utf-8") as f:
-            w = json.load(f)
+        w = read_json(a.workload)
         wins = windows_from_workload(w)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         eprint(f"compare_cupti: cannot use workload JSON {a.workload}: {exc}")

@@ -1,22 +1,21 @@
-#!/usr/bin/env python3
 """NVML sampling validation for gpu/validate_nvml.sh: nvidia-smi capture helpers and the
 comparison of gpu-observer's NVML output (`devices`, `nvml` lines, summaries) with
 nvidia-smi.  Standard library only (Python 3.8+).
 
 usage:
-  compare_nvml.py smi-static --out SMI.json [--q-text NVIDIA-SMI-Q.txt]
+  python3 -m gpucheck.compare_nvml smi-static --out SMI.json [--q-text NVIDIA-SMI-Q.txt]
       nvidia-smi --query-gpu with every device field the observer reports (a field this
       nvidia-smi rejects is queried alone, then left out); "[N/A]" etc. become null.
       The CUDA version comes from `nvidia-smi -q` output (--q-text).
 
-  compare_nvml.py capture --out CAP.jsonl [--duration S] [--interval S] [--stop-file F]
+  python3 -m gpucheck.compare_nvml capture --out CAP.jsonl [--duration S] [--interval S] [--stop-file F]
       Until S seconds passed or F exists: `nvidia-smi --query-gpu=index,uuid,memory.used`
       and `--query-compute-apps=pid,gpu_uuid,used_memory` (csv,noheader,nounits), each as
       one JSON line {"seq","query":"gpu"|"apps","t0_ns","t1_ns","rc","csv","err"}, t0/t1
       CLOCK_MONOTONIC (time.monotonic_ns, the observer's clock) just before/after the call.
 
-  compare_nvml.py report --smi-static SMI.json --md-out NVML-VALIDATION.md
-                         --json-out nvml-results.json [inputs, see --help]
+  python3 -m gpucheck.compare_nvml report --smi-static SMI.json --md-out NVML-VALIDATION.md
+                                          --json-out nvml-results.json [inputs, see --help]
       Every check below; exit 0 if all strict checks pass, 1 if one fails, 2 bad input.
 
 The nvidia-smi binary is $NVIDIA_SMI (default nvidia-smi) or --smi.
@@ -53,16 +52,17 @@ import argparse
 import bisect
 import csv
 import datetime as dt
-import gzip
 import io
 import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
+
+from .common import eprint, f1, is_num, median, pctl, run_cmd, table_lines, us
+from .jsonl import ReadCounts, load_json, read_jsonl
 
 MIB = 1 << 20
 NA_TOKENS = {"", "n/a", "[n/a]", "[not supported]", "not supported", "[unknown error]",
@@ -89,23 +89,8 @@ DEVICE_METRICS = [("hw.gpu.utilization", "general"), ("hw.gpu.utilization", "enc
                   ("hw.errors", "ecc_uncorrected"), ("hw.errors", "xid")]
 
 
-def eprint(*a):
-    print(*a, file=sys.stderr, flush=True)
-
-
 def smi_bin(a=None):
     return (getattr(a, "smi", None) if a else None) or os.environ.get("NVIDIA_SMI") or "nvidia-smi"
-
-
-def run_cmd(cmd, timeout):
-    try:
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           timeout=timeout, check=False)
-        return p.returncode, p.stdout, p.stderr
-    except subprocess.TimeoutExpired:
-        return 124, "", f"timed out after {timeout} s"
-    except OSError as exc:
-        return 127, "", str(exc)
 
 
 def na(v):
@@ -135,10 +120,6 @@ def csv_rows(text):
         if row and any(c.strip() for c in row):
             out.append([c.strip() for c in row])
     return out
-
-
-def is_num(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def metric(obj, key, sub=None):
@@ -173,54 +154,6 @@ def norm_cap(s):
     s = str(s).strip()
     m = re.match(r"^(\d+)\.(\d+)$", s)
     return f"{int(m.group(1))}.{int(m.group(2))}" if m else s
-
-
-def pctl(vals, q):
-    if not vals:
-        return None
-    v = sorted(vals)
-    k = max(0, min(len(v) - 1, int(round(q / 100.0 * (len(v) - 1)))))
-    return v[k]
-
-
-def f1(v, nd=2):
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.{nd}f}"
-    return str(v)
-
-
-def ms(ns):
-    return "-" if ns is None else f"{ns / 1e6:.1f} ms"
-
-
-def us(ns):
-    return "-" if ns is None else f"{ns / 1e3:.1f} µs"
-
-
-def fmt_table(headers, rows, align=None):
-    align = align or ["---"] * len(headers)
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join(align) + "|"]
-    for r in rows:
-        out.append("| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |")
-    return out
-
-
-def open_text(path):
-    if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
-    return open(path, "r", encoding="utf-8", errors="replace")
-
-
-def load_json(path):
-    if not path or not os.path.exists(path):
-        return None
-    try:
-        with open(path, "r", encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 # ------------------------------------------------------------------ smi-static / capture
@@ -326,36 +259,27 @@ class Run:
         if not path or not os.path.exists(path):
             self.error = f"no observer output ({path or 'not given'})"
             return
+        counts = ReadCounts()
         try:
-            with open_text(path) as f:
-                for line in f:
-                    self.lines += 1
-                    if "nvml" not in line and "summary" not in line:
-                        continue
-                    try:
-                        o = json.loads(line)
-                    except ValueError:
-                        self.bad += 1
-                        continue
-                    if not isinstance(o, dict):
-                        continue
-                    t = o.get("type")
-                    if t == "nvml":
-                        self.nvml_lines += 1
-                        for k, v in o.items():
-                            if k.startswith("hw.") and v is None:
-                                self.null_keys[k] += 1
-                        if o.get("scope") == "device":
-                            self.dev[dev_key(o)].append(o)
-                        elif o.get("scope") == "process":
-                            self.proc[o.get("pid")].append(o)
-                    elif t == "summary":
-                        if o.get("scope") == "device":
-                            self.dev_summary[dev_key(o)] = o
-                        elif o.get("scope") == "total":
-                            self.total = o
+            for o in read_jsonl(path, counts, want=("nvml", "summary")):
+                t = o.get("type")
+                if t == "nvml":
+                    self.nvml_lines += 1
+                    for k, v in o.items():
+                        if k.startswith("hw.") and v is None:
+                            self.null_keys[k] += 1
+                    if o.get("scope") == "device":
+                        self.dev[dev_key(o)].append(o)
+                    elif o.get("scope") == "process":
+                        self.proc[o.get("pid")].append(o)
+                elif t == "summary":
+                    if o.get("scope") == "device":
+                        self.dev_summary[dev_key(o)] = o
+                    elif o.get("scope") == "total":
+                        self.total = o
         except (OSError, EOFError) as exc:
             self.error = f"cannot read {path}: {exc}"
+        self.lines, self.bad = counts.read, counts.bad
         for lst in list(self.dev.values()) + list(self.proc.values()):
             lst.sort(key=lambda o: o.get("ts_ns") or 0)
 
@@ -380,24 +304,19 @@ def read_captures(path):
     caps = []
     if not path or not os.path.exists(path):
         return caps
-    with open_text(path) as f:
-        for line in f:
-            try:
-                o = json.loads(line)
-            except ValueError:
+    for o in read_jsonl(path):
+        rows = []
+        for r in csv_rows(o.get("csv", "")):
+            if len(r) < 3:
                 continue
-            rows = []
-            for r in csv_rows(o.get("csv", "")):
-                if len(r) < 3:
-                    continue
-                try:
-                    k = int(r[0])
-                except ValueError:
-                    continue  # "No running processes found" and the like
-                rows.append((k, na(r[1]), num(r[2])))
-            caps.append({"seq": o.get("seq"), "query": o.get("query"), "t0": o.get("t0_ns"),
-                         "t1": o.get("t1_ns"), "rc": o.get("rc"), "rows": rows,
-                         "err": o.get("err")})
+            try:
+                k = int(r[0])
+            except ValueError:
+                continue  # "No running processes found" and the like
+            rows.append((k, na(r[1]), num(r[2])))
+        caps.append({"seq": o.get("seq"), "query": o.get("query"), "t0": o.get("t0_ns"),
+                     "t1": o.get("t1_ns"), "rc": o.get("rc"), "rows": rows,
+                     "err": o.get("err")})
     return caps
 
 
@@ -467,7 +386,7 @@ def compare_series(samples, getter, caps, interval_ns, tol_mib):
                                 "ok": abs(diff) <= tol_mib})
     d = [c["diff_mib"] for c in res["compared"]]
     res["diff_min"] = min(d) if d else None
-    res["diff_median"] = statistics.median(d) if d else None
+    res["diff_median"] = median(d)
     res["diff_max"] = max(d) if d else None
     res["worst_abs"] = max((abs(x) for x in d), default=None)
     res["all_ok"] = bool(d) and all(c["ok"] for c in res["compared"])
@@ -636,7 +555,7 @@ def devices_checks(ctx, smi):
                  "max_clocks_mhz", "power_limit_watts"}
         for k in sorted(set(o) - known):
             row(k, o.get(k), None, True, "not compared", strict=False)
-        md += fmt_table(["field", "gpu-observer", "nvidia-smi", "check"], rows)
+        md += table_lines(["field", "gpu-observer", "nvidia-smi", "check"], rows, escape=True)
         md += ["", f"nvidia-smi before the runs: memory.used {g.get('memory.used') or '-'} MiB, "
                f"memory.reserved {g.get('memory.reserved') or '-'} MiB (info).", ""]
     ctx.add("devices.fields", "devices", "every device field = nvidia-smi",
@@ -689,7 +608,7 @@ def interval_check(ctx, run, gpus, label, group):
         lst = run.dev.get(g.get("uuid")) or run.dev.get(f"index:{g.get('index')}") or []
         ts = [o["ts_ns"] for o in lst if is_num(o.get("ts_ns"))]
         d = [(b - c) / 1e6 for c, b in zip(ts, ts[1:])]
-        med = statistics.median(d) if d else None
+        med = median(d)
         ok = med is not None and abs(med - want) <= want * a.interval_tol
         ok_all = ok_all and ok
         gaps = sum(1 for x in d if x > 2 * want)
@@ -885,9 +804,9 @@ def active_checks(ctx, run, gpus, caps, workloads):
             "; ".join(f"GPU {g.get('index')}: {series_text(res['device_memory'][g.get('uuid')], a.mem_tol_mib)}" for g in gpus)
             or "no GPU", f"|bytes/2^20 − MiB| ≤ {a.mem_tol_mib:g} for every compared capture, ≥ {a.min_compared} per GPU")
     md += ["### Device memory usage vs nvidia-smi (MiB, observer − nvidia-smi)", ""]
-    md += fmt_table(["GPU", "samples with key", "captures", "compared", "unstable", "outside",
+    md += table_lines(["GPU", "samples with key", "captures", "compared", "unstable", "outside",
                      "diff min", "median", "max", "check"], rows,
-                    ["---", "---:", "---:", "---:", "---:", "---:", "---:", "---:", "---:", "---"])
+                    ["---", "---:", "---:", "---:", "---:", "---:", "---:", "---:", "---:", "---"], escape=True)
     md.append("")
     for g in gpus:
         md.append(f"- GPU {g.get('index')}: " + diff_dist(res["device_memory"][g.get("uuid")]))
@@ -985,10 +904,10 @@ def active_checks(ctx, run, gpus, caps, workloads):
     agg("reserved", "run.proc_reserved", "run: process memory usage ≥ what torch reserved", "usage ≥ torch.cuda.memory_reserved")
     agg("util", "run.proc_util", "run: process general utilization > 0 in a sample", "> 0 in ≥ 1 sample")
     if wrows:
-        md += fmt_table(["pid", "GPU", "uuid", "lines", "allocated MiB", "torch reserved MiB",
+        md += table_lines(["pid", "GPU", "uuid", "lines", "allocated MiB", "torch reserved MiB",
                          "observer usage MiB (median)", "nvidia-smi MiB (median)", "max |diff| MiB",
                          "util max (samples)", "other GPUs"], wrows,
-                        ["---:", "---:", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---", "---"])
+                        ["---:", "---:", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---", "---"], escape=True)
         md.append("")
     for rec in res["workloads"]:
         md.append(f"- pid {rec['pid']}: " + diff_dist(rec["memory"]))
@@ -1006,9 +925,9 @@ def active_checks(ctx, run, gpus, caps, workloads):
     cost, qrows = cost_check(ctx, run, "run", "run")
     res["cost"] = cost
     md += ["### Sample interval", ""]
-    md += fmt_table(["GPU", "samples", "median ms", "p10", "p90", "min", "max", "gaps > 2×", "check"], irows)
+    md += table_lines(["GPU", "samples", "median ms", "p10", "p90", "min", "max", "gaps > 2×", "check"], irows, escape=True)
     md += ["", "### Metrics in the device samples (samples with the key / all: min / median / max)", ""]
-    md += fmt_table(["metric"] + [f"GPU {g.get('index')}" for g in gpus], presence_rows(run, gpus))
+    md += table_lines(["metric"] + [f"GPU {g.get('index')}" for g in gpus], presence_rows(run, gpus), escape=True)
     md.append("")
     for line in memory_consistency(run, gpus, ctx.devices_obs):
         md.append(f"- {line} (info)")
@@ -1024,8 +943,8 @@ def cost_md(cost, qrows):
     if is_num(cost["sampler_cpu_ns"]) and is_num(cost["sampler_wall_ns"]):
         out[0] += f"; sampler_cpu_ns {cost['sampler_cpu_ns']}, sampler_wall_ns {cost['sampler_wall_ns']}"
     out.append("")
-    out += fmt_table(["NVML query", "count", "errors", "mean", "max", "CPU mean", "mean < limit"], qrows,
-                     ["---", "---:", "---:", "---:", "---:", "---:", "---"])
+    out += table_lines(["NVML query", "count", "errors", "mean", "max", "CPU mean", "mean < limit"], qrows,
+                     ["---", "---:", "---:", "---:", "---:", "---:", "---"], escape=True)
     out.append("")
     return out
 
@@ -1044,7 +963,7 @@ def idle_checks(ctx, run, gpus):
     res["cost"] = cost
     md += cost_md(cost, qrows)
     md += ["### Sample interval (idle)", ""]
-    md += fmt_table(["GPU", "samples", "median ms", "p10", "p90", "min", "max", "gaps > 2×", "check"], irows)
+    md += table_lines(["GPU", "samples", "median ms", "p10", "p90", "min", "max", "gaps > 2×", "check"], irows, escape=True)
     md.append("")
 
 
@@ -1082,7 +1001,7 @@ def cmd_report(a):
             f"the observer in all-process mode (`--format jsonl --nvml-interval-ms {a.interval_ms:g}`) while "
             "`gpu/workloads/nvml_alloc.py` holds a known allocation and runs matmuls on every GPU "
             "(nvidia-smi captured in parallel), and once with no workload for the sampler's own cost; "
-            "`gpu/compare_nvml.py` compares them. Memory: nvidia-smi prints MiB, the observer bytes: "
+            "`gpu/gpucheck/compare_nvml.py` compares them. Memory: nvidia-smi prints MiB, the observer bytes: "
             f"|bytes/2^20 − MiB| ≤ {a.mem_tol_mib:g}.", "", "| | |", "|---|---|"]
     wl_torch = next((w for w in workloads if w.get("torch_version")), {})
     for label, val in (("Date", env.get("date_utc") or dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")),
@@ -1095,9 +1014,9 @@ def cmd_report(a):
                        ("Observer sha256", (f"`{env['observer_sha256'][:16]}…`" if env.get("observer_sha256") and env["observer_sha256"] != "unavailable" else env.get("observer_sha256")))):
         head.append(f"| {label} | {val if val is not None else '-'} |")
     head += ["", "## Summary", ""]
-    head += fmt_table(["check", "result", "observed", "criterion"],
+    head += table_lines(["check", "result", "observed", "criterion"],
                       [[c.title, c.status if c.status in ("PASS", "INFO") else f"**{c.status}**",
-                        c.observed, c.criterion] for c in ctx.checks])
+                        c.observed, c.criterion] for c in ctx.checks], escape=True)
     head += ["", f"Overall: **{overall}**" + (f" ({len(fails)} strict checks not passed: "
                                               + ", ".join(c.cid for c in fails) + ")" if fails else ""), ""]
     md = head + ctx.md
@@ -1119,7 +1038,8 @@ def cmd_report(a):
 
 
 def main():
-    ap = argparse.ArgumentParser(description="NVML sampling validation helpers")
+    ap = argparse.ArgumentParser(prog="python3 -m gpucheck.compare_nvml",
+                                 description="NVML sampling validation helpers")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("smi-static", help="nvidia-smi device fields as JSON")
     s.add_argument("--out", required=True)
@@ -1135,7 +1055,7 @@ def main():
     c.add_argument("--timeout", type=float, default=10)
     r = sub.add_parser("report", help="compare and write the report")
     r.add_argument("--smi-static", required=True)
-    r.add_argument("--env", default=None, help="make_report.py env output")
+    r.add_argument("--env", default=None, help="gpucheck.make_report env output")
     r.add_argument("--devices-json", default=None)
     r.add_argument("--devices-rc", type=int, default=None)
     r.add_argument("--devices-table", default=None)

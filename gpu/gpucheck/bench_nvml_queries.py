@@ -1,9 +1,9 @@
-#!/usr/bin/env python3
 """Wall and CPU time of each NVML query the observer could use, called directly (ctypes,
 standard library only), on every GPU: the measurements behind the sampler's tiers
 (src/sample/mod.rs). Prints a markdown table and writes JSON.
 
-usage: python3 gpu/bench_nvml_queries.py [--iters N] [--json OUT.json] [--lib libnvidia-ml.so.1]
+usage (from gpu/, or with gpu/ on PYTHONPATH):
+  python3 -m gpucheck.bench_nvml_queries [--iters N] [--json OUT.json] [--lib libnvidia-ml.so.1]
 """
 import argparse
 import ctypes as C
@@ -71,7 +71,7 @@ FI_PCIE_LINK_GEN, FI_PCIE_LINK_WIDTH = 175, 176  # NVML_FI_DEV_PCIE_LINK_GEN_CUR
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python3 -m gpucheck.bench_nvml_queries")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--json")
     ap.add_argument("--lib")

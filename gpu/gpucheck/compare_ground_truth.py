@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Compare cuda-ground-truth's record of its own driver calls with what gpu-observer captured.
 
 usage:
-  compare_ground_truth.py --workload GT.json --events RUN.jsonl[.gz] --name NAME
+  python3 -m gpucheck.compare_ground_truth --workload GT.json --events RUN.jsonl[.gz] --name NAME
              [--title TITLE] [--comm-hint PREFIX] [--api-table api.rs]
              [--section-out RUN.section.md] [--result-out RUN.result.json]
 
@@ -47,20 +46,17 @@ Exit status: 0 all strict checks pass, 1 a strict check failed, 2 bad input.
 """
 
 import argparse
-import json
 import os
 import re
 import sys
 from collections import Counter, defaultdict
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.dont_write_bytecode = True  # no __pycache__ in the source tree
-sys.path.insert(0, HERE)
-from compare import (  # noqa: E402
-    Check as BaseCheck, ReadCounts, as_int, eprint, fmt_table, pick_pid, read_events, short, write_outputs,
-)
+from .checks import Check as BaseCheck, comparer_args, pick_pid, write_outputs
+from .common import as_int, eprint, fmt_table, short
+from .jsonl import ReadCounts, read_json, read_jsonl
 
-DEFAULT_API_TABLE = os.path.join(HERE, "..", "gpu-observer-common", "src", "api.rs")
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_API_TABLE = os.path.join(HERE, "..", "..", "gpu-observer-common", "src", "api.rs")
 # Lines that are not probed calls; the CUPTI lines of a run under `gpu-observer run` carry the
 # `api` of the call that launched their work, and must not count as calls a second time.
 NOT_CALLS = {"ioctl", "memory", "leak", "summary", "process_exit", "gpu_kernel", "gpu_memcpy",
@@ -132,7 +128,7 @@ def scan(path, start, end):
     totals = Counter()
     total_summary = None
     counts = ReadCounts()
-    for ev in read_events(path, counts):
+    for ev in read_jsonl(path, counts):
         typ = ev.get("type")
         pid = as_int(ev.get("pid"))
         if typ == "summary":
@@ -151,7 +147,7 @@ def scan(path, start, end):
         if ts is not None and start <= ts <= end:
             per_pid[pid].append(ev)
     return {"in_win": per_pid, "leaks": leaks, "summaries": summaries, "comms": comms,
-            "totals": totals, "summary": total_summary, "lines": counts.lines, "bad": counts.bad}
+            "totals": totals, "summary": total_summary, "lines": counts.lines, "bad": counts.unusable}
 
 
 def resolve_pid(want, hint, sc, notes):
@@ -324,20 +320,14 @@ def compare(w, sc, pid, probed):
 
 
 def main():
-    ap = argparse.ArgumentParser(description="compare cuda-ground-truth JSON with observer JSONL")
-    ap.add_argument("--workload", required=True)
-    ap.add_argument("--events", required=True)
-    ap.add_argument("--name", required=True)
-    ap.add_argument("--title", default=None)
-    ap.add_argument("--comm-hint", default="cuda-ground-tru")
+    ap = argparse.ArgumentParser(prog="python3 -m gpucheck.compare_ground_truth",
+                                 description="compare cuda-ground-truth JSON with observer JSONL")
+    comparer_args(ap, comm_hint="cuda-ground-tru")
     ap.add_argument("--api-table", default=DEFAULT_API_TABLE)
-    ap.add_argument("--section-out", default=None)
-    ap.add_argument("--result-out", default=None)
     a = ap.parse_args()
 
     try:
-        with open(a.workload, "r", encoding="utf-8") as f:
-            w = json.load(f)
+        w = read_json(a.workload)
         start, end = as_int(w["window_start_ns"]), as_int(w["window_end_ns"])
         if start is None or end is None or end < start or not isinstance(w.get("calls"), dict):
             raise ValueError(f"bad window {start}..{end} or no calls")

@@ -1,15 +1,14 @@
-#!/usr/bin/env python3
 """Observer-output extraction and BENCH_CUPTI.md for gpu/bench_cupti.sh.
 
 usage:
-  bench_cupti_report.py extract --events RUN.jsonl[.gz] [--workload W.json] --out NAME.obs.json
+  python3 -m gpucheck.bench_cupti_report extract --events RUN.jsonl[.gz] [--workload W.json] --out NAME.obs.json
       After each observer run: the total and the workload pid's per-process `summary`
       (events, dropped, the `cupti` block), the pid's `cupti` state lines, and the pid's
       `launch` events and `gpu_kernel` lines inside the timed window, so the big JSONL
       need not be kept.
 
-  bench_cupti_report.py report --dir WORKDIR --plan plan.tsv --out BENCH_CUPTI.md
-                               [--env ENV.json] [--summary-json S.json] [--target-pct 5]
+  python3 -m gpucheck.bench_cupti_report report --dir WORKDIR --plan plan.tsv --out BENCH_CUPTI.md
+                                             [--env ENV.json] [--summary-json S.json] [--target-pct 5]
       plan.tsv: "ROUND<TAB>MODE<TAB>NAME[<TAB>RC<TAB>WALL_S]" per run, in the order run;
       WORKDIR/NAME.json (train_bench.py) and, for observer modes, WORKDIR/NAME.obs.json.
       Per mode: the median over its runs of each run's median step time, steps/s, the
@@ -23,11 +22,12 @@ activities, no observer).  Exit: 0 report written, 2 bad input.
 """
 
 import argparse
-import gzip
 import json
 import os
-import statistics
 import sys
+
+from .common import as_int, f3, median
+from .jsonl import ReadCounts, load_json, read_jsonl
 
 MODES = ["base", "uprobes", "cupti", "profiler"]
 MODE_TEXT = {
@@ -38,29 +38,6 @@ MODE_TEXT = {
 }
 
 
-def as_int(v, default=None):
-    try:
-        if isinstance(v, bool):
-            return int(v)
-        return int(v, 0) if isinstance(v, str) else int(v)
-    except (TypeError, ValueError):
-        return default
-
-
-def load(path):
-    try:
-        with open(path, "r", encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def open_text(path):
-    if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
-    return open(path, "r", encoding="utf-8", errors="replace")
-
-
 # ---------------------------------------------------------------- extract
 
 SUMMARY_KEYS = ("events", "dropped", "dropped_by_kind", "decode_errors", "trace_all",
@@ -68,7 +45,7 @@ SUMMARY_KEYS = ("events", "dropped", "dropped_by_kind", "decode_errors", "trace_
 
 
 def cmd_extract(a):
-    w = load(a.workload) if a.workload else None
+    w = load_json(a.workload) if a.workload else None
     pid = as_int(w.get("pid")) if isinstance(w, dict) else None
     s = as_int(w.get("window_start_ns")) if isinstance(w, dict) else None
     e = as_int(w.get("window_end_ns")) if isinstance(w, dict) else None
@@ -81,48 +58,39 @@ def cmd_extract(a):
     if not os.path.exists(a.events):
         res["error"] = f"no observer output {a.events}"
     else:
-        with open_text(a.events) as f:
-            for line in f:
-                res["lines"] += 1
-                # cheap pre-filter: only these lines matter here
-                if ('"summary"' not in line and '"launch"' not in line
-                        and '"gpu_kernel"' not in line and '"cupti"' not in line):
-                    continue
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    res["bad"] += 1
-                    continue
-                if not isinstance(ev, dict):
-                    continue
-                typ = ev.get("type")
-                epid = as_int(ev.get("pid"))
-                if typ == "summary":
-                    keep = {k: ev.get(k) for k in SUMMARY_KEYS if k in ev}
-                    if ev.get("scope") == "process":
-                        if epid == pid:
-                            keep["cupti"] = ev.get("cupti")
-                            res["process"] = keep
-                            res["cupti"] = ev.get("cupti")
-                    else:
-                        res["total"] = keep
-                    continue
-                if pid is None or epid != pid:
-                    continue
-                res["found_pid"] = True
-                ts = as_int(ev.get("ts_ns"))
-                inwin = s is not None and e is not None and ts is not None and s <= ts <= e
-                if typ == "launch":
-                    res["launches"] += 1
-                    if inwin:
-                        res["launches_in_window"] += 1
-                elif typ == "gpu_kernel":
-                    res["gpu_kernels"] += 1
-                    if inwin:
-                        res["gpu_kernels_in_window"] += 1
-                elif typ == "cupti":
-                    res["cupti_lines"].append({k: ev.get(k) for k in
-                                               ("ts_ns", "state", "cupti_result", "message")})
+        counts = ReadCounts()
+        # cheap pre-filter: only these lines matter here
+        for ev in read_jsonl(a.events, counts,
+                             want=('"summary"', '"launch"', '"gpu_kernel"', '"cupti"')):
+            typ = ev.get("type")
+            epid = as_int(ev.get("pid"))
+            if typ == "summary":
+                keep = {k: ev.get(k) for k in SUMMARY_KEYS if k in ev}
+                if ev.get("scope") == "process":
+                    if epid == pid:
+                        keep["cupti"] = ev.get("cupti")
+                        res["process"] = keep
+                        res["cupti"] = ev.get("cupti")
+                else:
+                    res["total"] = keep
+                continue
+            if pid is None or epid != pid:
+                continue
+            res["found_pid"] = True
+            ts = as_int(ev.get("ts_ns"))
+            inwin = s is not None and e is not None and ts is not None and s <= ts <= e
+            if typ == "launch":
+                res["launches"] += 1
+                if inwin:
+                    res["launches_in_window"] += 1
+            elif typ == "gpu_kernel":
+                res["gpu_kernels"] += 1
+                if inwin:
+                    res["gpu_kernels_in_window"] += 1
+            elif typ == "cupti":
+                res["cupti_lines"].append({k: ev.get(k) for k in
+                                           ("ts_ns", "state", "cupti_result", "message")})
+        res["lines"], res["bad"] = counts.read, counts.bad
     with open(a.out, "w", encoding="utf-8") as f:
         json.dump(res, f, indent=1)
         f.write("\n")
@@ -150,26 +118,17 @@ def read_plan(path):
     return runs
 
 
-def med(vals):
-    vals = [v for v in vals if v is not None]
-    return statistics.median(vals) if vals else None
-
-
-def f3(v, nd=3):
-    return "-" if v is None else f"{v:.{nd}f}"
-
-
 def cmd_report(a):
     try:
         runs = read_plan(a.plan)
     except OSError as exc:
         print(f"bench_cupti_report: cannot read plan {a.plan}: {exc}", file=sys.stderr)
         return 2
-    env = load(a.env) if a.env else None
+    env = load_json(a.env) if a.env else None
     env = env or {}
     for r in runs:
-        r["bench"] = load(os.path.join(a.dir, r["name"] + ".json"))
-        r["obs"] = load(os.path.join(a.dir, r["name"] + ".obs.json"))
+        r["bench"] = load_json(os.path.join(a.dir, r["name"] + ".json"))
+        r["obs"] = load_json(os.path.join(a.dir, r["name"] + ".obs.json"))
         b = r["bench"]
         r["ok"] = isinstance(b, dict) and b.get("median_step_ms") is not None and r["rc"] in ("0", "?")
         r["median_ms"] = float(b["median_step_ms"]) if r["ok"] else None
@@ -183,9 +142,9 @@ def cmd_report(a):
         rs = [r for r in runs if r["mode"] == m]
         ok = [r for r in rs if r["ok"]]
         stats[m] = {"runs": len(rs), "ok": len(ok),
-                    "median_step_ms": med([r["median_ms"] for r in ok]),
-                    "steps_per_s": med([r["steps_per_s"] for r in ok]),
-                    "issue_ms": med([r["issue_ms"] for r in ok]),
+                    "median_step_ms": median([r["median_ms"] for r in ok]),
+                    "steps_per_s": median([r["steps_per_s"] for r in ok]),
+                    "issue_ms": median([r["issue_ms"] for r in ok]),
                     "per_round": {r["round"]: r["median_ms"] for r in ok}}
     base = stats.get("base", {}).get("median_step_ms")
     for m, st in stats.items():
@@ -198,7 +157,7 @@ def cmd_report(a):
             b = stats.get("base", {}).get("per_round", {}).get(rnd)
             if val is not None and b:
                 rr.append(val / b)
-        st["ratio_per_round_median"] = med(rr)
+        st["ratio_per_round_median"] = median(rr)
     base_rounds = [v for v in stats.get("base", {}).get("per_round", {}).values() if v]
     spread = ((max(base_rounds) - min(base_rounds)) / base * 100.0
               if base and len(base_rounds) > 1 else None)
@@ -216,7 +175,7 @@ def cmd_report(a):
         if b.get("kernels_per_step"):
             kps.setdefault("CUDA kernels per step (torch.profiler, warm-up included)", []).append(
                 float(b["kernels_per_step"]))
-    kps = {k: med(v) for k, v in kps.items()}
+    kps = {k: median(v) for k, v in kps.items()}
 
     cupti = stats.get("cupti", {})
     target_met = (cupti.get("overhead_pct") is not None
@@ -372,7 +331,8 @@ def cmd_report(a):
 
 
 def main():
-    ap = argparse.ArgumentParser(description="CUPTI benchmark report helper")
+    ap = argparse.ArgumentParser(prog="python3 -m gpucheck.bench_cupti_report",
+                                 description="CUPTI benchmark report helper")
     sub = ap.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("extract")
     e.add_argument("--events", required=True)

@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Compare a workload's own counts with what gpu-observer captured.
 
 usage:
-  compare.py --workload W.json --events RUN.jsonl[.gz] --name NAME
+  python3 -m gpucheck.compare --workload W.json --events RUN.jsonl[.gz] --name NAME
              [--title TITLE] [--comm-hint PREFIX]
              [--section-out RUN.section.md] [--result-out RUN.result.json]
 
@@ -39,12 +38,14 @@ Exit status: 0 all strict checks pass, 1 a strict check failed, 2 bad input.
 """
 
 import argparse
-import gzip
-import json
 import os
-import re
 import sys
 from collections import Counter, defaultdict
+
+from .checks import Check, comparer_args, pick_pid, write_outputs
+from .common import as_int, eprint, fmt_table, share, short
+from .jsonl import ReadCounts, read_json, read_jsonl
+from .names import common_prefix, divergence, match_names, norm_name, style_name
 
 LAUNCH_APIS = {
     "cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel", "cuGraphLaunch",
@@ -55,169 +56,6 @@ HTOD = "cpu_to_gpu"
 DTOH = "gpu_to_cpu"
 # Kernel-name coverage target (percent of launches) for the profiler window.
 NAME_TARGET = 99.0
-
-
-def norm_name(s):
-    """A kernel name with whitespace normalised: runs collapsed, none around punctuation
-    (so `foo<int, float>(int*)` and `foo<int,float>(int *)` compare equal)."""
-    s = re.sub(r"\s+", " ", str(s)).strip()
-    return re.sub(r"\s*([<>(),*&\[\]])\s*", r"\1", s)
-
-
-_LITERAL_CAST = re.compile(
-    r"\((?:unsigned |signed )?(?:char|short|int|long long|long|__int128)\)(-?\d+)")
-_LITERAL_SUFFIX = re.compile(r"\b(-?\d+)(?:ull|ul|ll|u|l)\b")
-_NESTED_VOID = re.compile(r"(?<=[<,(])void(?=[A-Za-z_(])")
-
-
-def style_name(s):
-    """norm_name, and also blind to two known differences between demanglers (for an
-    informational match only): integer template literals, `(unsigned long)1` (cpp_demangle)
-    vs `1ul` (c++filt, CUPTI); and the return type of an enclosing function template printed
-    before a nested name or a function-template argument (`, void ns::f<...>` vs `, ns::f<...>`)."""
-    s = norm_name(s)
-    s = _LITERAL_CAST.sub(r"\1", s)
-    s = _LITERAL_SUFFIX.sub(r"\1", s)
-    return _NESTED_VOID.sub("", s).replace("<void ", "<").replace(",void ", ",")
-
-
-def divergence(a, b, ctx=28):
-    """Where two names part, after normalisation: the common text just before, then each."""
-    na, nb = norm_name(a), norm_name(b)
-    i = 0
-    while i < min(len(na), len(nb)) and na[i] == nb[i]:
-        i += 1
-    if i >= max(len(na), len(nb)):
-        return "identical after normalisation"
-    return (f"after `…{na[max(0, i - ctx):i]}` observer has `{na[i:i + ctx]}…`, "
-            f"profiler `{nb[i:i + ctx]}…`")
-
-
-def match_names(observed, reference, key=None):
-    """Multiset match of observer kernel names against reference names (normalised by
-    `key`, default norm_name). Returns (matched, unmatched observed Counter, unmatched
-    reference Counter)."""
-    key = key or norm_name
-    left = Counter()
-    for name, n in reference.items():
-        left[key(name)] += n
-    shown = {}
-    for name in reference:
-        shown.setdefault(key(name), name)
-    un_obs = Counter()
-    matched = 0
-    for name, n in observed.items():
-        k = key(name)
-        m = min(n, left.get(k, 0))
-        matched += m
-        left[k] -= m
-        if n > m:
-            un_obs[name] += n - m
-    un_ref = Counter({shown[k]: v for k, v in left.items() if v > 0})
-    return matched, un_obs, un_ref
-
-
-class Row:
-    """One check: exact (expected == captured) unless `ok` is given (threshold checks)."""
-
-    def __init__(self, metric, expected, captured, strict, ok=None, show_pct=True):
-        self.metric = metric
-        self.expected = expected
-        self.captured = captured
-        self.strict = strict
-        self.ok = (expected == captured) if ok is None else bool(ok)
-        self.show_pct = show_pct
-
-    def pct(self):
-        return pct(self.expected, self.captured) if self.show_pct else "n/a"
-
-
-def common_prefix(a, b):
-    a, b = norm_name(a), norm_name(b)
-    i = 0
-    while i < min(len(a), len(b)) and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def share(n, total):
-    return 100.0 * n / total if total else 0.0
-
-
-def eprint(*a):
-    print(*a, file=sys.stderr, flush=True)
-
-
-def open_text(path):
-    if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
-    return open(path, "r", encoding="utf-8", errors="replace")
-
-
-class ReadCounts:
-    """Lines read from a JSONL file, and how many of them were not JSON objects."""
-
-    def __init__(self):
-        self.lines = 0
-        self.bad = 0
-
-
-def read_events(path, counts):
-    """The JSON objects of a (possibly gzipped) JSONL file; counts lines and bad lines."""
-    with open_text(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            counts.lines += 1
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                counts.bad += 1
-                continue
-            if not isinstance(ev, dict):
-                counts.bad += 1
-                continue
-            yield ev
-
-
-def write_outputs(a, md, result):
-    """The Markdown section (--section-out) and the JSON result (--result-out), if asked for."""
-    if a.section_out:
-        with open(a.section_out, "w", encoding="utf-8") as f:
-            f.write("\n".join(md) + "\n")
-    if a.result_out:
-        with open(a.result_out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1, default=str)
-            f.write("\n")
-
-
-def as_int(v, default=None):
-    if v is None:
-        return default
-    if isinstance(v, bool):
-        return int(v)
-    if isinstance(v, int):
-        return v
-    if isinstance(v, float):
-        return int(v)
-    if isinstance(v, str):
-        try:
-            return int(v, 0)
-        except ValueError:
-            try:
-                return int(float(v))
-            except ValueError:
-                return default
-    return default
-
-
-def pct(expected, captured):
-    if expected is None or captured is None:
-        return "n/a"
-    if expected == 0:
-        return "100.0%" if captured == 0 else "n/a"
-    return f"{100.0 * captured / expected:.1f}%"
 
 
 # ---------------------------------------------------------------- windows
@@ -342,7 +180,7 @@ def scan(path, wins):
     lo = min(w.start for w in wins)
     hi = max(w.end for w in wins)
     counts = ReadCounts()
-    for ev in read_events(path, counts):
+    for ev in read_jsonl(path, counts):
         if ev.get("type") == "summary":
             summary = ev
             continue
@@ -364,29 +202,8 @@ def scan(path, wins):
             if w.start <= ts <= w.end:
                 in_win[i][pid].append(ev)
     return {"in_win": in_win, "pid_total": pid_total, "pid_comms": pid_comms,
-            "pid_apis": pid_apis, "summary": summary, "lines": counts.lines, "bad": counts.bad,
+            "pid_apis": pid_apis, "summary": summary, "lines": counts.lines, "bad": counts.unusable,
             "no_ts": no_ts}
-
-
-def pick_pid(want, hint, totals, comms, score, notes, unit="event", list_seen=True):
-    """The workload's pid, or (a PID namespace between observer and workload) the pid whose comm
-    starts with `hint`, best by `score`. totals: pid -> lines seen; comms: pid -> Counter."""
-    if totals.get(want, 0) > 0:
-        return want
-    notes.append(f"WARN: no {unit} carries the workload's pid {want}")
-    if hint:
-        h = hint[:15].lower()
-        cands = [p for p, cs in comms.items() if any(c.lower().startswith(h) for c in cs)]
-        if cands:
-            best = max(cands, key=score)
-            notes.append(f"WARN: falling back to pid {best} (comm starts with '{h}'; "
-                         f"PID namespace mismatch?)")
-            return best
-    if list_seen:
-        top = ", ".join(f"{p}:{n}({'/'.join(c for c, _ in comms[p].most_common(2))})"
-                        for p, n in sorted(totals.items(), key=lambda kv: -kv[1])[:8])
-        notes.append(f"pids seen (pid:{unit}s(comm)): {top or 'none'}")
-    return want
 
 
 def resolve_pid(want_pid, comm_hint, sc, notes):
@@ -394,41 +211,6 @@ def resolve_pid(want_pid, comm_hint, sc, notes):
         # prefer the candidate with the most in-window events
         return (sum(len(d.get(p, [])) for d in sc["in_win"]), sc["pid_total"][p])
     return pick_pid(want_pid, comm_hint, sc["pid_total"], sc["pid_comms"], score, notes)
-
-
-class Check:
-    """One compared metric: expected vs captured; strict ones decide the result."""
-
-    def __init__(self, metric, expected, captured, strict, ok=None, label=None, show_pct=True,
-                 group=None):
-        self.metric = metric
-        self.expected = expected
-        self.captured = captured
-        self.strict = strict
-        self.ok = (expected == captured) if ok is None else bool(ok)
-        self.label = label
-        self.show_pct = show_pct
-        self.group = group
-
-    def mark(self):
-        if self.label:
-            return self.label
-        if self.ok:
-            return "ok"
-        return "**MISMATCH**" if self.strict else "differs (info)"
-
-    def pct(self):
-        e, c = self.expected, self.captured
-        if not self.show_pct or not isinstance(e, int) or not isinstance(c, int) \
-                or isinstance(e, bool) or isinstance(c, bool):
-            return "n/a"
-        if e == 0:
-            return "100.0%" if c == 0 else "n/a"
-        return f"{100.0 * c / e:.1f}%"
-
-    def as_dict(self):
-        return {"metric": self.metric, "expected": self.expected, "captured": self.captured,
-                "strict": self.strict, "ok": self.ok}
 
 
 # ---------------------------------------------------------------- checks
@@ -446,7 +228,7 @@ def name_rows(win, st, info):
     info["names"] = dict(st.kernel_names.most_common(12))
     if win.kind == "profiler":
         ref = e.get("kernel_names")
-        rows.append(Row(f"launches with a kernel name (target >= {NAME_TARGET:g}%)",
+        rows.append(Check(f"launches with a kernel name (target >= {NAME_TARGET:g}%)",
                         f">= {NAME_TARGET:g}%", f"{named_pct:.2f}% ({st.named}/{nameable})",
                         True, ok=nameable > 0 and named_pct >= NAME_TARGET, show_pct=False))
         if isinstance(ref, dict) and ref:
@@ -458,83 +240,69 @@ def name_rows(win, st, info):
             info["divergences"] = [
                 (o, divergence(o, max(un_ref, key=lambda p: common_prefix(o, p))))
                 for o, _ in un_obs.most_common(5) if un_ref]
-            rows.append(Row(f"launch names = profiler kernel names (target >= {NAME_TARGET:g}%)",
+            rows.append(Check(f"launch names = profiler kernel names (target >= {NAME_TARGET:g}%)",
                             f">= {NAME_TARGET:g}%", f"{m_pct:.2f}% ({matched}/{nameable})",
                             True, ok=nameable > 0 and m_pct >= NAME_TARGET, show_pct=False))
             s_matched, _, _ = match_names(st.kernel_names, ref, key=style_name)
             s_pct = share(s_matched, nameable)
             info["style_match_pct"] = round(s_pct, 2)
-            rows.append(Row("  same, blind to demangler style (literals, nested return types)",
+            rows.append(Check("  same, blind to demangler style (literals, nested return types)",
                             f">= {NAME_TARGET:g}%", f"{s_pct:.2f}% ({s_matched}/{nameable})",
                             False, ok=nameable > 0 and s_pct >= NAME_TARGET, show_pct=False))
         else:
             info["match_pct"] = None
-            rows.append(Row("launch names = profiler kernel names", "profiler names",
+            rows.append(Check("launch names = profiler kernel names", "profiler names",
                             "not recorded by the workload", False, ok=False, show_pct=False))
         return rows
     strict = bool(e.get("names_strict"))
-    rows.append(Row("launches with a kernel name", nameable, st.named, strict))
+    rows.append(Check("launches with a kernel name", nameable, st.named, strict))
     want = e.get("kernel_name")
     if want:
         same = sum(n for k, n in st.kernel_names.items() if norm_name(k) == norm_name(want))
         info["expected_name"] = want
-        rows.append(Row(f"launches named `{want}`", nameable, same, strict))
+        rows.append(Check(f"launches named `{want}`", nameable, same, strict))
     elif e.get("name_set"):
         info["profiler_names"] = e["name_set"]
         for label, key in (("launch names seen by the profiler self-check", norm_name),
                            ("  same, blind to demangler style", style_name)):
             ref = {key(k) for k in e["name_set"]}
             same = sum(n for k, n in st.kernel_names.items() if key(k) in ref)
-            rows.append(Row(label, nameable, same, False))
+            rows.append(Check(label, nameable, same, False))
     return rows
 
 
 def build_checks(win, st, info=None):
-    """Return list of Row (metric, expected, captured, strict, ok)."""
+    """Return list of Check (metric, expected, captured, strict, ok)."""
     info = {} if info is None else info
     e = win.expected
     rows = []
     if win.kind == "exact":
-        rows.append(Row("kernel launches", as_int(e.get("launches")), st.launches, True))
-        rows.append(Row("HtoD copies", as_int(e.get("htod")), st.memcpy_dir[HTOD], True))
-        rows.append(Row("DtoH copies", as_int(e.get("dtoh")), st.memcpy_dir[DTOH], True))
+        rows.append(Check("kernel launches", as_int(e.get("launches")), st.launches, True))
+        rows.append(Check("HtoD copies", as_int(e.get("htod")), st.memcpy_dir[HTOD], True))
+        rows.append(Check("DtoH copies", as_int(e.get("dtoh")), st.memcpy_dir[DTOH], True))
         if e.get("htod_bytes") is not None:
-            rows.append(Row("HtoD bytes", as_int(e["htod_bytes"]), st.memcpy_bytes[HTOD], True))
+            rows.append(Check("HtoD bytes", as_int(e["htod_bytes"]), st.memcpy_bytes[HTOD], True))
         if e.get("dtoh_bytes") is not None:
-            rows.append(Row("DtoH bytes", as_int(e["dtoh_bytes"]), st.memcpy_bytes[DTOH], True))
+            rows.append(Check("DtoH bytes", as_int(e["dtoh_bytes"]), st.memcpy_bytes[DTOH], True))
         other = st.copies - st.memcpy_dir[HTOD] - st.memcpy_dir[DTOH]
-        rows.append(Row("other copies (DtoD/unknown)", 0, other, False))
+        rows.append(Check("other copies (DtoD/unknown)", 0, other, False))
         if e.get("stream_syncs") is not None:
             ss = sum(n for a, n in st.sync_apis.items() if a.startswith("cuStreamSynchronize"))
-            rows.append(Row("cuStreamSynchronize*", as_int(e["stream_syncs"]), ss, False))
+            rows.append(Check("cuStreamSynchronize*", as_int(e["stream_syncs"]), ss, False))
         if e.get("device_syncs") is not None:
             ds = sum(n for a, n in st.sync_apis.items() if a.startswith("cuCtxSynchronize"))
-            rows.append(Row("cuCtxSynchronize*", as_int(e["device_syncs"]), ds, False))
+            rows.append(Check("cuCtxSynchronize*", as_int(e["device_syncs"]), ds, False))
         if e.get("ptds"):
             pt = sum(n for a, n in st.launch_apis.items() if a.endswith("_ptsz"))
-            rows.append(Row("launches via *_ptsz API", as_int(e.get("launches")), pt, False))
+            rows.append(Check("launches via *_ptsz API", as_int(e.get("launches")), pt, False))
     else:
-        rows.append(Row("kernel launches vs CUPTI kernels", as_int(e.get("launches")),
+        rows.append(Check("kernel launches vs CUPTI kernels", as_int(e.get("launches")),
                         st.launches, True))
-        rows.append(Row("memcpy (all directions) vs CUPTI memcpy", as_int(e.get("copies")),
+        rows.append(Check("memcpy (all directions) vs CUPTI memcpy", as_int(e.get("copies")),
                         st.copies, True))
-        rows.append(Row("memset vs CUPTI memset", as_int(e.get("memsets")), st.memsets, False))
+        rows.append(Check("memset vs CUPTI memset", as_int(e.get("memsets")), st.memsets, False))
     rows.extend(name_rows(win, st, info))
     return rows
-
-
-def fmt_table(headers, rows, align=None):
-    """Markdown table (also readable on a console)."""
-    align = align or ["---"] * len(headers)
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join(align) + "|"]
-    for r in rows:
-        out.append("| " + " | ".join(str(c) for c in r) + " |")
-    return "\n".join(out)
-
-
-def short(s, n=90):
-    s = str(s)
-    return s if len(s) <= n else s[:n - 1] + "…"
 
 
 def top_items(counter, n=6):
@@ -565,19 +333,12 @@ def describe_names(info):
 
 
 def main():
-    ap = argparse.ArgumentParser(description="compare workload counts with observer JSONL")
-    ap.add_argument("--workload", required=True, help="workload JSON")
-    ap.add_argument("--events", required=True, help="observer JSONL (.gz ok)")
-    ap.add_argument("--name", required=True, help="short run name")
-    ap.add_argument("--title", default=None, help="section title")
-    ap.add_argument("--comm-hint", default=None, help="comm prefix for pid fallback")
-    ap.add_argument("--section-out", default=None, help="write Markdown section here")
-    ap.add_argument("--result-out", default=None, help="write JSON result here")
-    a = ap.parse_args()
+    ap = argparse.ArgumentParser(prog="python3 -m gpucheck.compare",
+                                 description="compare workload counts with observer JSONL")
+    a = comparer_args(ap, helps=True).parse_args()
 
     try:
-        with open(a.workload, "r", encoding="utf-8") as f:
-            w = json.load(f)
+        w = read_json(a.workload)
         wins = windows_from_workload(w)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         eprint(f"compare: cannot use workload JSON {a.workload}: {exc}")

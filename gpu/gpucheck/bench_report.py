@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """Write BENCH.md from the three launch_bench runs of gpu/bench.sh.
 
-usage: bench_report.py --base1 B1.json --with W.json --base2 B2.json
-                       --events OBSERVER.jsonl --out BENCH.md
-                       [--env ENV.json] [--summary-json S.json]
+usage: python3 -m gpucheck.bench_report --base1 B1.json --with W.json --base2 B2.json
+                                        --events OBSERVER.jsonl --out BENCH.md
+                                        [--env ENV.json] [--summary-json S.json]
 
 Reports ns/launch (median over rounds) without / with / again without the
 observer, the ratio with / mean(baselines), the overhead in microseconds per
@@ -17,59 +16,42 @@ import os
 import sys
 from collections import Counter
 
-
-def load(path):
-    with open(path, "r", encoding="utf-8") as f:
-        return json.load(f)
-
-
-def as_int(v):
-    try:
-        return int(v, 0) if isinstance(v, str) else int(v)
-    except (TypeError, ValueError):
-        return None
+from .common import as_int
+from .jsonl import ReadCounts, read_json, read_jsonl
 
 
 def scan_events(path, pid, windows):
     """Return (summary, launches captured in windows for pid, total lines,
     launch APIs for pid in windows)."""
     summary = None
-    lines = 0
     captured = 0
     apis = Counter()
     pid_seen = False
     if not path or not os.path.exists(path):
         return None, None, 0, apis, False
-    with open(path, "r", encoding="utf-8", errors="replace") as f:
-        for line in f:
-            lines += 1
-            # cheap pre-filter: only launch and summary lines matter
-            if '"launch"' not in line and '"summary"' not in line:
-                continue
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            typ = ev.get("type")
-            if typ == "summary":
-                summary = ev
-                continue
-            if typ != "launch" or as_int(ev.get("pid")) != pid:
-                continue
-            pid_seen = True
-            ts = as_int(ev.get("ts_ns"))
-            if ts is None:
-                continue
-            for s, e in windows:
-                if s <= ts <= e:
-                    captured += 1
-                    apis[str(ev.get("api"))] += 1
-                    break
-    return summary, captured, lines, apis, pid_seen
+    counts = ReadCounts()
+    # cheap pre-filter: only launch and summary lines matter
+    for ev in read_jsonl(path, counts, want=('"launch"', '"summary"')):
+        typ = ev.get("type")
+        if typ == "summary":
+            summary = ev
+            continue
+        if typ != "launch" or as_int(ev.get("pid")) != pid:
+            continue
+        pid_seen = True
+        ts = as_int(ev.get("ts_ns"))
+        if ts is None:
+            continue
+        for s, e in windows:
+            if s <= ts <= e:
+                captured += 1
+                apis[str(ev.get("api"))] += 1
+                break
+    return summary, captured, counts.read, apis, pid_seen
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python3 -m gpucheck.bench_report")
     ap.add_argument("--base1", required=True)
     ap.add_argument("--with", dest="with_", required=True)
     ap.add_argument("--base2", required=True)
@@ -79,10 +61,10 @@ def main():
     ap.add_argument("--summary-json", default=None)
     a = ap.parse_args()
 
-    b1, w, b2 = load(a.base1), load(a.with_), load(a.base2)
+    b1, w, b2 = read_json(a.base1), read_json(a.with_), read_json(a.base2)
     env = {}
     if a.env and os.path.exists(a.env):
-        env = load(a.env)
+        env = read_json(a.env)
     n1, nw, n2 = (float(x["ns_per_launch_median"]) for x in (b1, w, b2))
     base = (n1 + n2) / 2.0
     ratio = nw / base if base > 0 else float("nan")
