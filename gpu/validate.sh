@@ -254,7 +254,7 @@ run_ground_truth() {
     finish_run "$name" "$rc"
     case $rc in
     0) ;;
-    1) STATUS[$name]="FAIL (workload rc=1: a seed-004 hypothesis or a driver call failed)" ;;
+    1) STATUS[$name]="FAIL (workload rc=1: one of its checks (H1-H3, H9) or a driver call failed)" ;;
     2) STATUS[$name]="FAIL (workload rc=2: no libcuda or no usable GPU)" ;;
     3) STATUS[$name]="FAIL (workload rc=3: start file never came)" ;;
     *) STATUS[$name]="FAIL (workload rc=$rc)" ;;
@@ -336,7 +336,7 @@ run_cupti() {
     if [[ -z ${STATUS[$name]:-} ]]; then
         case $kind:$rc in
         *:0) ;;
-        ground:1) STATUS[$name]="FAIL (workload rc=1: a seed-004 hypothesis or a driver call failed)" ;;
+        ground:1) STATUS[$name]="FAIL (workload rc=1: one of its checks (H1-H3, H9) or a driver call failed)" ;;
         ground:2) STATUS[$name]="FAIL (workload rc=2: no libcuda or no usable GPU)" ;;
         *) STATUS[$name]="FAIL (workload or observer rc=$rc)" ;;
         esac

@@ -387,7 +387,7 @@ def main():
               ("generic", "Generic copies (`cuMemcpy`): inferred direction and host memory"),
               ("explicit", "Explicit copies: host memory (informational)"),
               ("leaks", "Leak report"), ("summary", "Per-process summary"),
-              ("workload", "The workload's own checks (seed 004)")]
+              ("workload", "The workload's own checks (H1-H3, H9)")]
     for g, label in groups:
         rows = [(c.metric, c.expected, c.captured, c.mark()) for c in checks if c.group == g]
         if not rows:

@@ -637,7 +637,7 @@ def cost_check(ctx, run, label, group):
             None if run.error else (is_num(ratio) and ratio < a.cpu_ratio_max),
             ("absent" if not is_num(ratio) else f"{ratio:.6f} ({ratio * 100:.4f}% of a core)")
             + (f"; cpu {cpu / 1e6:.2f} ms over wall {wall / 1e9:.2f} s" if is_num(cpu) and is_num(wall) and wall else ""),
-            f"< {a.cpu_ratio_max:g} (seed: < 0.1% of a core)")
+            f"< {a.cpu_ratio_max:g} (budget: < 0.1% of a core)")
     means = {k: v.get("mean") for k, v in q.items() if isinstance(v, dict)}
     slow = [k for k, m in means.items() if not is_num(m) or m >= a.query_mean_max_ns]
     worst = max(((m, k) for k, m in means.items() if is_num(m)), default=None)
@@ -645,7 +645,7 @@ def cost_check(ctx, run, label, group):
             None if run.error else (bool(means) and not slow),
             (f"{len(means)} queries; slowest mean {us(worst[0])} (`{worst[1]}`)" if worst else "no query_ns")
             + (f"; over: {', '.join(slow)}" if slow else ""),
-            f"< {a.query_mean_max_ns / 1e6:g} ms (seed §9.1)")
+            f"< {a.query_mean_max_ns / 1e6:g} ms (budget)")
     rows = []
     for k, v in sorted(q.items(), key=lambda kv: -(kv[1].get("mean") or 0) if isinstance(kv[1], dict) else 0):
         if not isinstance(v, dict):

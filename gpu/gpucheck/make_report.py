@@ -312,7 +312,7 @@ def cmd_assemble(a):
                  "`cuMemsetD32_v2`) and leaves one 4 MiB `cuMemAlloc_v2` unfreed. Strict: every "
                  "probed API's count and bytes, every launch's kernel name, grid and stream, the "
                  "generic copies' inferred direction and host memory, the failed call, the leak "
-                 "report, and the workload's own seed-004 checks (H1-H3, H9).")
+                 "report, and the workload's own checks (H1-H3, H9).")
     lines.append("- `copies_kernels` (nvcc, cudart static): per iteration one `cudaMemcpy` HtoD "
                  "(1 MiB, pinned), one `<<<>>>` launch, one `cudaMemcpyAsync` DtoH on a created "
                  "stream and one `cudaStreamSynchronize`; built once with the legacy default "

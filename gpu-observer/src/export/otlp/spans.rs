@@ -380,7 +380,7 @@ impl Spans {
                 let family = api.family;
                 let timed = crate::rules::sampled_by_duration(family);
                 let end = ev.ts_ns + c.duration_ns;
-                // Adaptive sampling (seeds 000/003), as for JSON lines: an abandoned call has no
+                // Duration sampling (docs/DESIGN.md "Rules"), as for JSON lines: an abandoned call has no
                 // duration to sample by, and is rare: always kept.
                 if timed
                     && !c.abandoned
