@@ -141,6 +141,8 @@ struct Injection {
     switch: Mutex<()>,
     /// Name pointers already sent to the current observer.
     names_sent: Mutex<HashSet<u64>>,
+    /// The device table reached the current observer (kernel records need it for occupancy).
+    devices_sent: AtomicBool,
 }
 
 static INJECTION: OnceLock<Injection> = OnceLock::new();
@@ -200,6 +202,9 @@ pub extern "C" fn InitializeInjection() -> c_int {
         // Observed from the start (`gpu-observer run`): collect from the first kernel on, and
         // tell the observer now, before the first launch, so it keeps every call for the join.
         if observed() {
+            // The device table first, here: the control thread may start too late for a
+            // short-lived process (seen in the tests: it exited before the thread's first look).
+            send_devices(inj);
             start(inj);
             send_status(inj);
         }
@@ -223,6 +228,7 @@ fn init() -> Injection {
         cupti_dropped: AtomicU64::new(0),
         buffers: AtomicU64::new(0),
         names_sent: Mutex::new(HashSet::new()),
+        devices_sent: AtomicBool::new(false),
     };
     let c = match Cupti::load(cfg.cupti_path.as_deref()) {
         Ok(c) => c,
@@ -290,7 +296,8 @@ fn control() {
             inj.names_sent.lock().map(|mut n| n.clear()).ok();
             // The device table first: a kernel record that reached the agent before it would
             // have no occupancy (seen under load: a flush beat send_devices).
-            send_devices();
+            inj.devices_sent.store(false, Relaxed);
+            send_devices(inj);
             start(inj);
             send_status(inj);
             last_status = Instant::now();
@@ -428,6 +435,11 @@ fn stop(inj: &Injection) {
 }
 
 fn flush(inj: &Injection, flag: u32) {
+    // Kernel records come out of the flush: the device table must precede them. Sent here if
+    // the driver could not tell it before (not yet initialized when first asked).
+    if !inj.devices_sent.load(Relaxed) {
+        send_devices(inj);
+    }
     if let Some(c) = &inj.cupti {
         // SAFETY: CUPTI entry point; completed buffers come back through buffer_completed.
         unsafe { (c.flush_all)(flag) };
@@ -575,8 +587,9 @@ fn send_status(inj: &Injection) {
     }]);
 }
 
-/// Each device's attributes for occupancy, from the libcuda the process already loaded.
-fn send_devices() {
+/// Each device's attributes for occupancy, from the libcuda the process already loaded;
+/// remembered as sent once the driver answered.
+fn send_devices(inj: &Injection) {
     type GetCount = unsafe extern "C" fn(*mut c_int) -> c_int;
     type GetAttr = unsafe extern "C" fn(*mut c_int, c_int, c_int) -> c_int;
     // SAFETY: RTLD_NOLOAD only finds the libcuda this process has already loaded.
@@ -631,6 +644,7 @@ fn send_devices() {
         });
     }
     send(&records);
+    inj.devices_sent.store(true, Relaxed);
 }
 
 #[cfg(test)]
