@@ -911,28 +911,7 @@ mod tests {
 
     fn call(name: &str, f: impl FnOnce(&mut Call)) -> Event {
         let spec = api::by_id(api::id_of(name).unwrap()).unwrap();
-        let mut c = Call {
-            bytes: None,
-            direction: spec.direction,
-            mem: spec.mem,
-            stream: None,
-            dst: None,
-            src: None,
-            address: None,
-            duration_ns: 100,
-            result: 0,
-            ioctl_count: 0,
-            ioctl_ns: 0,
-            nested: 0,
-            read_errors: 0,
-            abandoned: false,
-            handle: None,
-            owner: None,
-            name: None,
-            host_memory: None,
-            direction_inferred: false,
-            kernel: None,
-        };
+        let mut c = Call::returned(spec, 100);
         f(&mut c);
         ev(Body::Call(c), name)
     }
@@ -1128,5 +1107,21 @@ mod tests {
         assert_eq!(s.sync_by_target[&SyncTarget::Event(0xe)].ns, 7);
         assert_eq!(s.sync_by_target[&SyncTarget::Context].ns, 1000);
         assert_eq!((s.syncs.count, s.syncs.ns, s.slow_calls), (4, 1357, 2));
+    }
+
+    #[test]
+    fn a_call_of_exactly_the_threshold_is_slow() {
+        let mut c = Correlator::new(100);
+        for (api, d) in [
+            ("cuCtxSynchronize", 99),
+            ("cuCtxSynchronize", 100),
+            ("cuMemcpyHtoD_v2", 100),
+            ("cuMemcpyHtoD_v2", 101),
+            // Not sampled by duration: never counted slow.
+            ("cuMemAlloc_v2", 1000),
+        ] {
+            c.observe(&mut call(api, |c| c.duration_ns = d));
+        }
+        assert_eq!(c.procs[&10].stats.slow_calls, 3);
     }
 }

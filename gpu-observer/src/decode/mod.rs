@@ -122,6 +122,35 @@ pub struct Call {
     pub kernel: Option<Arc<KernelName>>,
 }
 
+impl Call {
+    /// A call of `spec` that returned success after `duration_ns`, with nothing else read and
+    /// nothing filled in yet: the base that tests and replays build calls from.
+    pub fn returned(spec: &ApiSpec, duration_ns: u64) -> Self {
+        Self {
+            bytes: None,
+            direction: spec.direction,
+            mem: spec.mem,
+            stream: None,
+            dst: None,
+            src: None,
+            address: None,
+            duration_ns,
+            result: 0,
+            ioctl_count: 0,
+            ioctl_ns: 0,
+            nested: 0,
+            read_errors: 0,
+            abandoned: false,
+            handle: None,
+            owner: None,
+            name: None,
+            host_memory: None,
+            direction_inferred: false,
+            kernel: None,
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Ioctl {
     pub fd: u32,

@@ -530,3 +530,42 @@ impl<W: Write + Send> Sink for JsonlSink<W> {
         Ok(self.writer.summary(s)?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use gpu_observer_common::api;
+
+    use super::*;
+
+    fn copy_line(duration_ns: u64, threshold_ns: u64, trace_all: bool) -> Option<serde_json::Value> {
+        let spec = api::by_id(api::id_of("cuMemcpyHtoD_v2").unwrap()).unwrap();
+        let ev = Event {
+            ts_ns: 1,
+            pid: 10,
+            tid: 10,
+            comm: *b"train\0\0\0\0\0\0\0\0\0\0\0",
+            api: Some(spec),
+            body: Body::Call(Call {
+                bytes: Some(4096),
+                ..Call::returned(spec, duration_ns)
+            }),
+        };
+        let mut w = JsonlWriter::new(Vec::new(), threshold_ns, trace_all);
+        w.event(&ev).unwrap();
+        let out = String::from_utf8(w.out).unwrap();
+        out.lines().next().map(|l| serde_json::from_str(l).unwrap())
+    }
+
+    #[test]
+    fn a_copy_of_exactly_the_threshold_is_written_and_slow() {
+        let at = copy_line(100_000, 100_000, false).expect("kept");
+        assert_eq!(at["is_slow"], true);
+        assert_eq!(
+            copy_line(99_999, 100_000, false),
+            None,
+            "sampled out below the threshold"
+        );
+        let below = copy_line(99_999, 100_000, true).expect("--trace-all keeps it");
+        assert_eq!(below["is_slow"], false);
+    }
+}

@@ -630,25 +630,10 @@ mod tests {
             ts_ns,
             Body::Call(Call {
                 bytes: Some(16),
-                direction: spec.direction,
-                mem: spec.mem,
-                stream: None,
-                dst: None,
-                src: None,
-                address: None,
-                duration_ns,
-                result: 0,
                 ioctl_count: 1,
                 ioctl_ns: 10,
-                nested: 0,
-                read_errors: 0,
                 abandoned,
-                handle: None,
-                owner: None,
-                name: None,
-                host_memory: None,
-                direction_inferred: false,
-                kernel: None,
+                ..Call::returned(spec, duration_ns)
             }),
         )
     }
