@@ -11,6 +11,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
+mod record_fixture;
 mod soak;
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -54,6 +55,10 @@ enum Task {
         #[arg(long, default_value_t = 2_000_000)]
         calls: u64,
     },
+    /// Records tests/data/fake-workload.{rec,jsonl,...}: the debug observer's raw ring-buffer
+    /// records and JSON lines for the scripted fake workload (tests/data/README.md). Run it as
+    /// root, again whenever the event ABI (gpu-observer-common) changes.
+    RecordFixture,
     /// Release binary + GPU scripts in .gpu-bundle/ for a GPU machine (see gpu/README.md).
     Bundle,
     /// Long-run stability (issue 10): the fake workload mix (churn, steady load, CUPTI) under one
@@ -91,6 +96,7 @@ fn main() -> ExitCode {
         Task::Test { no_lint, args } => test(!no_lint, &args),
         Task::Lint => lint(),
         Task::Bench { calls } => bench(calls),
+        Task::RecordFixture => record_fixture::record_fixture(),
         Task::Bundle => bundle(),
         Task::Soak {
             minutes,
