@@ -11,6 +11,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
+mod record_fixture;
 mod soak;
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -54,6 +55,24 @@ enum Task {
         #[arg(long, default_value_t = 2_000_000)]
         calls: u64,
     },
+    /// Records tests/data/fake-workload.{rec,jsonl,...}: the debug observer's raw ring-buffer
+    /// records and JSON lines for the scripted fake workload (tests/data/README.md). Run it as
+    /// root, again whenever the event ABI (gpu-observer-common) changes.
+    RecordFixture,
+    /// Pipeline throughput without root or BPF: recorded records replayed through decode →
+    /// correlate → JSON lines on one core; events/s and allocations per event against
+    /// bench/pipeline-baseline.json (docs/BENCHMARKS.md, "Pipeline throughput baseline").
+    BenchPipeline {
+        /// A `--record-ring` recording to replay (default: tests/data/fake-workload.rec).
+        #[arg(long)]
+        records: Option<PathBuf>,
+        /// Seconds to measure for (at least).
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+        /// Write the measurement as the new baseline (bench/pipeline-baseline.json).
+        #[arg(long)]
+        write_baseline: bool,
+    },
     /// Release binary + GPU scripts in .gpu-bundle/ for a GPU machine (see gpu/README.md).
     Bundle,
     /// Long-run stability (issue 10): the fake workload mix (churn, steady load, CUPTI) under one
@@ -91,6 +110,12 @@ fn main() -> ExitCode {
         Task::Test { no_lint, args } => test(!no_lint, &args),
         Task::Lint => lint(),
         Task::Bench { calls } => bench(calls),
+        Task::RecordFixture => record_fixture::record_fixture(),
+        Task::BenchPipeline {
+            records,
+            seconds,
+            write_baseline,
+        } => bench_pipeline(records, seconds, write_baseline),
         Task::Bundle => bundle(),
         Task::Soak {
             minutes,
@@ -375,6 +400,35 @@ fn bench(calls: u64) -> Result<()> {
             .env("GPU_OBSERVER_FIXTURES", &fx)
             .env("CALLS", calls.to_string()),
     )
+}
+
+/// Builds the pipeline benchmark (release) and runs it; it prints PASS or FAIL against the
+/// committed baseline and exits non-zero on FAIL.
+fn bench_pipeline(records: Option<PathBuf>, seconds: f64, write_baseline: bool) -> Result<()> {
+    setup()?;
+    status(cargo().args([
+        "build",
+        "--release",
+        "--package",
+        "gpu-observer",
+        "--example",
+        "bench_pipeline",
+    ]))?;
+    // A recording given on the command line is relative to where the command was run.
+    let records = match records {
+        Some(p) => std::fs::canonicalize(&p).with_context(|| format!("--records {}", p.display()))?,
+        None => PathBuf::from("tests/data/fake-workload.rec"),
+    };
+    let mut c = Command::new(root().join("target/release/examples/bench_pipeline"));
+    c.current_dir(root())
+        .arg("--records")
+        .arg(records)
+        .args(["--baseline", "bench/pipeline-baseline.json"])
+        .args(["--seconds", &seconds.to_string()]);
+    if write_baseline {
+        c.arg("--write-baseline");
+    }
+    status(&mut c)
 }
 
 fn bundle() -> Result<()> {

@@ -1,0 +1,378 @@
+//! Pipeline throughput baseline (`cargo xtask bench-pipeline`; docs/BENCHMARKS.md, "Pipeline
+//! throughput baseline"): recorded ring-buffer records replayed through decode → correlate →
+//! the JSON-lines sink (into `std::io::sink()`) on one core, without root or BPF. Prints events/s
+//! and heap allocations per event, and judges them against the committed baseline:
+//! FAIL (exit 1) when events/s < 0.9 × the baseline's or allocations per event > the baseline's
+//! + 0.01.
+//!
+//! The recording (`--records`, by default the fixture tests/data/fake-workload.rec) is replayed
+//! in passes until `--seconds` have gone by, `--runs` times, each run with a fresh pipeline; the
+//! median run is reported. Each pass is a new set of processes: the pids of a pass are the
+//! recorded ones plus pass × 1 000 003 (mod 2^32), tids and timestamps stay as recorded (they
+//! only matter within a process, and a CUPTI recording still joins). A pass ends every process
+//! it started (a process_exit is added for pids the recording does not end), as on a node
+//! where jobs come and go: the agent keeps at most its budget of exited processes, so its state
+//! stays bounded however long the run. The measured loop is what the reader thread does per
+//! drain: `record` each item, `end_batch`, `tick`.
+
+use std::{
+    alloc::{GlobalAlloc, Layout, System},
+    collections::{BTreeMap, BTreeSet},
+    io::BufWriter,
+    path::{Path, PathBuf},
+    sync::atomic::{AtomicU64, Ordering},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use gpu_observer::{
+    clock::monotonic_ns,
+    correlate::{Correlator, DEFAULT_MEMORY_LIMIT_MB},
+    export::{
+        Sink,
+        jsonl::{JsonlSink, JsonlWriter},
+    },
+    nvml,
+    pipeline::{Pipeline, recorded},
+    snapshot::Publisher,
+};
+use gpu_observer_common::{
+    event::{EventHeader, EventKind},
+    limits::DEFAULT_RING_BYTES,
+};
+use serde_json::{Value, json};
+
+/// Counts every allocation (and reallocation) the program makes.
+struct Counting;
+
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: defers to the system allocator; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// The rule (docs/BENCHMARKS.md): events/s may not drop below this fraction of the baseline…
+const MIN_SPEED_RATIO: f64 = 0.9;
+/// …and allocations per event may not grow by more than this.
+const MAX_EXTRA_ALLOCS_PER_EVENT: f64 = 0.01;
+/// The observer's default `--threshold-us`, in ns.
+const THRESHOLD_NS: u64 = 100_000;
+
+#[derive(Parser)]
+#[command(
+    name = "bench_pipeline",
+    about = "Pipeline throughput: decode → correlate → JSON lines"
+)]
+struct Args {
+    /// A `--record-ring` recording.
+    #[arg(long, default_value = "tests/data/fake-workload.rec")]
+    records: PathBuf,
+    /// The committed baseline to judge against.
+    #[arg(long, default_value = "bench/pipeline-baseline.json")]
+    baseline: PathBuf,
+    /// Seconds each run measures (at least).
+    #[arg(long, default_value_t = 3.0)]
+    seconds: f64,
+    /// Runs (each with a fresh pipeline); the median is reported and judged.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Write the median as the new baseline instead of judging it.
+    #[arg(long)]
+    write_baseline: bool,
+}
+
+/// One run's measurement.
+#[derive(Clone, Copy, Debug)]
+struct Measured {
+    events: u64,
+    passes: u64,
+    secs: f64,
+    allocs: u64,
+}
+
+impl Measured {
+    fn events_per_s(&self) -> f64 {
+        self.events as f64 / self.secs
+    }
+
+    fn allocs_per_event(&self) -> f64 {
+        self.allocs as f64 / self.events as f64
+    }
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let file = std::fs::read(&args.records).with_context(|| format!("read {}", args.records.display()))?;
+    let records = pass_of(&file)?;
+    let machine = machine();
+    let cpu = pin_to_one_cpu()?;
+    println!(
+        "bench_pipeline: {} ({} records a pass, {} bytes), one core (CPU {cpu}) of {machine}",
+        args.records.display(),
+        records.len(),
+        file.len()
+    );
+    let mut runs = Vec::new();
+    for run in 0..args.runs.max(1) {
+        let m = measure(&records, Duration::from_secs_f64(args.seconds))?;
+        println!(
+            "  run {}: {} events in {} passes, {:.2} s: {:.0} events/s, {:.4} allocations/event",
+            run + 1,
+            m.events,
+            m.passes,
+            m.secs,
+            m.events_per_s(),
+            m.allocs_per_event()
+        );
+        runs.push(m);
+    }
+    let mut by_speed = runs.clone();
+    by_speed.sort_by(|a, b| a.events_per_s().total_cmp(&b.events_per_s()));
+    let median = by_speed[by_speed.len() / 2];
+    let mut allocs: Vec<f64> = runs.iter().map(Measured::allocs_per_event).collect();
+    allocs.sort_by(f64::total_cmp);
+    let allocs_per_event = allocs[allocs.len() / 2];
+    let events_per_s = median.events_per_s();
+    println!("median: {events_per_s:.0} events/s, {allocs_per_event:.4} allocations/event");
+    let recording = json!({
+        "path": args.records.display().to_string(),
+        "records": records.len(),
+        "bytes": file.len(),
+    });
+    if args.write_baseline {
+        let commit = std::process::Command::new("git")
+            .args(["rev-parse", "--short", "HEAD"])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default();
+        let baseline = json!({
+            "events_per_s": events_per_s.round(),
+            "allocs_per_event": (allocs_per_event * 10_000.0).round() / 10_000.0,
+            "runs": runs.iter().map(|m| json!({
+                "events_per_s": m.events_per_s().round(),
+                "allocs_per_event": (m.allocs_per_event() * 10_000.0).round() / 10_000.0,
+            })).collect::<Vec<_>>(),
+            "seconds_per_run": args.seconds,
+            "recording": recording,
+            "machine": machine,
+            "commit": commit,
+            "rule": format!(
+                "FAIL when events/s < {MIN_SPEED_RATIO} x events_per_s or allocations/event > allocs_per_event + {MAX_EXTRA_ALLOCS_PER_EVENT}"
+            ),
+        });
+        std::fs::write(
+            &args.baseline,
+            format!("{}\n", serde_json::to_string_pretty(&baseline)?),
+        )?;
+        println!("baseline written to {}", args.baseline.display());
+        return Ok(());
+    }
+    judge(&args.baseline, &recording, events_per_s, allocs_per_event)
+}
+
+/// Compares with the baseline; exits 1 on FAIL.
+fn judge(path: &Path, recording: &Value, events_per_s: f64, allocs_per_event: f64) -> Result<()> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("read the baseline {}", path.display()))?;
+    let base: Value = serde_json::from_str(&text)?;
+    let (Some(base_speed), Some(base_allocs)) = (base["events_per_s"].as_f64(), base["allocs_per_event"].as_f64())
+    else {
+        bail!("{}: no events_per_s / allocs_per_event", path.display());
+    };
+    let speed = events_per_s / base_speed;
+    println!(
+        "baseline ({}, commit {}): {base_speed:.0} events/s, {base_allocs:.4} allocations/event",
+        base["machine"].as_str().unwrap_or("?"),
+        base["commit"].as_str().unwrap_or("?")
+    );
+    println!(
+        "ratio: {speed:.3} × the baseline's events/s, {:+.4} allocations/event",
+        allocs_per_event - base_allocs
+    );
+    if base["recording"]["records"] != recording["records"] || base["recording"]["bytes"] != recording["bytes"] {
+        println!(
+            "not judged: the baseline was measured on another recording ({})",
+            base["recording"]
+        );
+        return Ok(());
+    }
+    let mut failed = Vec::new();
+    if speed < MIN_SPEED_RATIO {
+        failed.push(format!(
+            "events/s {events_per_s:.0} < {MIN_SPEED_RATIO} × {base_speed:.0}"
+        ));
+    }
+    if allocs_per_event > base_allocs + MAX_EXTRA_ALLOCS_PER_EVENT {
+        failed.push(format!(
+            "allocations/event {allocs_per_event:.4} > {base_allocs:.4} + {MAX_EXTRA_ALLOCS_PER_EVENT}"
+        ));
+    }
+    if failed.is_empty() {
+        println!("PASS");
+        Ok(())
+    } else {
+        println!("FAIL: {}", failed.join("; "));
+        std::process::exit(1);
+    }
+}
+
+/// The records of one pass: the recording's, then a process_exit for every pid it leaves
+/// running.
+fn pass_of(file: &[u8]) -> Result<Vec<Vec<u8>>> {
+    let mut records: Vec<Vec<u8>> = recorded(file)?.map(<[u8]>::to_vec).collect();
+    if records.is_empty() {
+        bail!("the recording holds no records");
+    }
+    let mut seen: BTreeMap<u32, EventHeader> = BTreeMap::new();
+    let mut ended = BTreeSet::new();
+    for r in &records {
+        let Some(h) = gpu_observer_common::event::read_record::<EventHeader>(r) else {
+            continue;
+        };
+        if h.kind == EventKind::ProcessExit as u32 {
+            ended.insert(h.pid);
+        }
+        let last = seen.entry(h.pid).or_insert(h);
+        if h.ts_ns >= last.ts_ns {
+            *last = h;
+        }
+    }
+    for (pid, last) in seen {
+        if !ended.contains(&pid) {
+            let exit = EventHeader {
+                kind: EventKind::ProcessExit as u32,
+                api: 0,
+                pid,
+                tid: pid,
+                ts_ns: last.ts_ns,
+                comm: last.comm,
+            };
+            // SAFETY: viewing a plain #[repr(C)] record of integers as its bytes.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(
+                    (&exit as *const EventHeader).cast::<u8>(),
+                    std::mem::size_of::<EventHeader>(),
+                )
+            };
+            records.push(bytes.to_vec());
+        }
+    }
+    Ok(records)
+}
+
+/// Byte offset of the pid in a record's header.
+const PID_AT: usize = std::mem::offset_of!(EventHeader, pid);
+
+/// One run: a fresh pipeline (as the agent configures it with `--format jsonl --trace-all`,
+/// the default memory limit, no NVML), a pass to warm up, then passes until `min` has gone by.
+fn measure(records: &[Vec<u8>], min: Duration) -> Result<Measured> {
+    let corr = Correlator::new(THRESHOLD_NS).with_memory_limit_mb(DEFAULT_MEMORY_LIMIT_MB, DEFAULT_RING_BYTES);
+    // The agent's writer: a 64 KiB buffer in front of the output (export/output.rs).
+    let out = BufWriter::with_capacity(1 << 16, std::io::sink());
+    let sinks: Vec<Box<dyn Sink>> = vec![Box::new(JsonlSink {
+        writer: JsonlWriter::new(out, THRESHOLD_NS, true),
+        dest: "std::io::sink()".into(),
+    })];
+    let hub = nvml::Hub::new(nvml::State::Off, Duration::from_millis(100), None);
+    let (publisher, _snapshots) = Publisher::new(hub.view());
+    let mut pipe = Pipeline::new(corr, sinks, hub, None, publisher, monotonic_ns());
+    let longest = records.iter().map(Vec::len).max().unwrap_or(0);
+    let mut item = Vec::with_capacity(longest);
+    let mut pass = 0u32;
+    let mut one_pass = |pipe: &mut Pipeline, pass: u32| -> Result<()> {
+        let offset = pass.wrapping_mul(1_000_003);
+        for r in records {
+            item.clear();
+            item.extend_from_slice(r);
+            if let Some(pid) = item.get_mut(PID_AT..PID_AT + 4) {
+                let new = u32::from_ne_bytes(pid.try_into().unwrap()).wrapping_add(offset);
+                pid.copy_from_slice(&new.to_ne_bytes());
+            }
+            pipe.record(&item)?;
+        }
+        pipe.end_batch()?;
+        pipe.tick(monotonic_ns(), false)
+    };
+    one_pass(&mut pipe, pass)?;
+    pass += 1;
+    let (start, allocs) = (Instant::now(), ALLOCS.load(Ordering::Relaxed));
+    let mut passes = 0u64;
+    while passes == 0 || start.elapsed() < min {
+        one_pass(&mut pipe, pass)?;
+        pass = pass.wrapping_add(1);
+        passes += 1;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let allocs = ALLOCS.load(Ordering::Relaxed) - allocs;
+    pipe.finish(monotonic_ns())?;
+    Ok(Measured {
+        events: passes * records.len() as u64,
+        passes,
+        secs,
+        allocs,
+    })
+}
+
+/// Pins this (single-threaded) process to the last CPU it may run on; returns that CPU.
+fn pin_to_one_cpu() -> Result<usize> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; the calls get its size.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            bail!("sched_getaffinity: {}", std::io::Error::last_os_error());
+        }
+        let cpu = (0..libc::CPU_SETSIZE as usize)
+            .rev()
+            .find(|&c| libc::CPU_ISSET(c, &set))
+            .context("no CPU in the affinity mask")?;
+        let mut one: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut one);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &one) != 0 {
+            bail!("sched_setaffinity: {}", std::io::Error::last_os_error());
+        }
+        Ok(cpu)
+    }
+}
+
+/// "AMD EPYC, 2 CPUs, x86_64, Linux 6.18.44" from /proc.
+fn machine() -> String {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name").and_then(|r| r.split(':').nth(1)))
+        .map_or("unknown CPU", str::trim);
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    format!(
+        "{model}, {cpus} CPUs, {}, Linux {}",
+        std::env::consts::ARCH,
+        kernel.trim()
+    )
+}
