@@ -799,11 +799,11 @@ fn launches_read_their_names_not_the_events_they_came_with() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// What the properties found: sizes and GPU times an observed process controls overflow the
-// agent's counters. A panic on the reader thread stops the agent ("ring reader thread
-// panicked"); with overflow checks off (release builds) the additions wrap instead and the
-// totals are wrong, but the occupancy division by zero panics in release builds too. Reported,
-// not fixed here: these are ignored until correlate saturates (`cargo test -- --ignored`).
+// What the properties found (fixed; these keep them fixed): sizes and GPU times an observed
+// process controls overflowed the agent's counters. A panic on the reader thread stops the
+// agent ("ring reader thread panicked"); with overflow checks off (release builds) the additions
+// wrapped and the totals were wrong, and the occupancy division by zero panicked in release
+// builds too. Totals now saturate, and occupancy's arithmetic does.
 
 /// GPU records as a process's injection library (or the process itself, calling the hook)
 /// hands them over.
@@ -844,7 +844,6 @@ fn kernel(correlation_id: u32, start_ns: u64, end_ns: u64, block: [i32; 3], regi
 }
 
 #[test]
-#[ignore = "known bug: copy byte totals overflow (correlate::Amount::add); reported, not fixed here"]
 fn overflow_copy_bytes_from_the_call_arguments() {
     // Minimal case proptest found: two copies whose ByteCount adds up past 2^64 (the driver
     // refuses such a copy; the agent counts it anyway). Debug: "attempt to add with overflow"
@@ -856,7 +855,6 @@ fn overflow_copy_bytes_from_the_call_arguments() {
 }
 
 #[test]
-#[ignore = "known bug: GPU time totals overflow (cupti_join::GpuState::emit); reported, not fixed here"]
 fn overflow_gpu_time_from_cupti_records() {
     // Two kernel records whose GPU intervals add up past 2^64 ns. Debug: "attempt to add with
     // overflow" at cupti_join.rs (`s.kernel_ns += dur`; likewise memcpy_ns, memset_ns).
@@ -870,7 +868,6 @@ fn overflow_gpu_time_from_cupti_records() {
 }
 
 #[test]
-#[ignore = "known bug: block sizes overflow the occupancy computation (cupti_join.rs); reported, not fixed here"]
 fn overflow_kernel_block_size_from_cupti_records() {
     // A kernel record of block 2^31-1 × 2^31-1 × 2^31-1 after a device record. Debug:
     // "attempt to multiply with overflow" in the product of the block's dimensions.
@@ -880,7 +877,6 @@ fn overflow_kernel_block_size_from_cupti_records() {
 }
 
 #[test]
-#[ignore = "known bug: occupancy divides by zero for a forged block size, in release builds too; reported, not fixed here"]
 fn occupancy_of_a_forged_block_size_divides_by_zero() {
     // Block 2^30 × 2^30 × 2 (2^61 threads: 2^56 warps), 8 registers a thread (256 a warp):
     // 256 × 2^56 = 2^64. Debug: "attempt to multiply with overflow" in Device::occupancy;
@@ -895,12 +891,10 @@ fn occupancy_of_a_forged_block_size_divides_by_zero() {
 }
 
 proptest! {
-    // Its failures are the known ones: not saved as regressions for the other properties.
     #![proptest_config(ProptestConfig { failure_persistence: None, ..ProptestConfig::with_cases(300) })]
 
     #[test]
-    #[ignore = "finds the overflows above (sizes and GPU records as a process may forge them)"]
-    fn the_pipeline_never_panics_on_any_sizes_and_gpu_records(
+        fn the_pipeline_never_panics_on_any_sizes_and_gpu_records(
         records in prop::collection::vec(rec(6, true), 0..400),
     ) {
         let bytes: Vec<Vec<u8>> = records.iter().map(Rec::encode).collect();

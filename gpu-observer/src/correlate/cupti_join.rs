@@ -147,23 +147,30 @@ impl Device {
     /// CUDA occupancy calculator computes it: blocks per SM limited by threads, the block
     /// limit, registers (allocated per warp in units of 256) and shared memory (allocated in
     /// units of 128 bytes, plus what the system reserves per block).
+    ///
+    /// Every input comes from records a process can forge: the arithmetic saturates, and a
+    /// launch no SM could hold has occupancy 0 rather than a panic.
     pub fn occupancy(&self, threads_per_block: u64, registers_per_thread: u32, shared_mem: u64) -> Option<f64> {
         let warp = u64::from(self.warp_size);
-        if warp == 0 || threads_per_block == 0 || self.max_threads_per_sm == 0 || self.max_blocks_per_sm == 0 {
+        let max_warps = u64::from(self.max_threads_per_sm).checked_div(warp).unwrap_or(0);
+        if max_warps == 0 || threads_per_block == 0 || self.max_blocks_per_sm == 0 {
             return None;
         }
-        let max_warps = u64::from(self.max_threads_per_sm) / warp;
         let warps_per_block = threads_per_block.div_ceil(warp);
         let mut blocks = (max_warps / warps_per_block).min(u64::from(self.max_blocks_per_sm));
         if registers_per_thread > 0 {
-            let regs_per_warp = (u64::from(registers_per_thread) * warp).div_ceil(256) * 256;
-            blocks = blocks.min(u64::from(self.registers_per_sm) / (regs_per_warp * warps_per_block));
+            let regs_per_warp = u64::from(registers_per_thread)
+                .saturating_mul(warp)
+                .div_ceil(256)
+                .saturating_mul(256);
+            let per_block = regs_per_warp.saturating_mul(warps_per_block);
+            blocks = blocks.min(u64::from(self.registers_per_sm) / per_block);
         }
-        let smem = shared_mem + u64::from(self.reserved_shared_mem_per_block);
+        let smem = shared_mem.saturating_add(u64::from(self.reserved_shared_mem_per_block));
         if smem > 0 && self.shared_mem_per_sm > 0 {
-            blocks = blocks.min(u64::from(self.shared_mem_per_sm) / (smem.div_ceil(128) * 128));
+            blocks = blocks.min(u64::from(self.shared_mem_per_sm) / smem.div_ceil(128).saturating_mul(128));
         }
-        Some((blocks * warps_per_block) as f64 / max_warps as f64)
+        Some(blocks.saturating_mul(warps_per_block) as f64 / max_warps as f64)
     }
 }
 
@@ -654,7 +661,7 @@ impl GpuState {
         match GpuRecordKind::from_u32(rec.kind) {
             Some(GpuRecordKind::Kernel) => {
                 s.kernels += 1;
-                s.kernel_ns += dur;
+                s.kernel_ns = s.kernel_ns.saturating_add(dur);
                 kernel = self
                     .names
                     .get(&rec.name_key)
@@ -663,7 +670,7 @@ impl GpuState {
                 if let Some(k) = &kernel {
                     if let Some(e) = s.by_kernel.get_mut(&*k.demangled) {
                         e.0 += 1;
-                        e.1 += dur;
+                        e.1 = e.1.saturating_add(dur);
                     } else {
                         // A new name in the top list costs its bytes: only while the share has
                         // room (the kernel is counted in the totals either way).
@@ -677,25 +684,28 @@ impl GpuState {
                 }
                 if let Some(d) = self.devices.get(&rec.device) {
                     sm_count = Some(d.sm_count);
-                    let threads = rec.block.iter().map(|&b| u64::from(b.max(0) as u32)).product();
+                    let threads = rec
+                        .block
+                        .iter()
+                        .fold(1u64, |t, &b| t.saturating_mul(u64::from(b.max(0) as u32)));
                     let smem = u64::from(rec.static_shared_mem) + u64::from(rec.dynamic_shared_mem);
                     occupancy = d.occupancy(threads, rec.registers_per_thread, smem);
                 }
             }
             Some(GpuRecordKind::Memcpy) => {
                 s.memcpys += 1;
-                s.memcpy_ns += dur;
+                s.memcpy_ns = s.memcpy_ns.saturating_add(dur);
             }
             _ => {
                 s.memsets += 1;
-                s.memset_ns += dur;
+                s.memset_ns = s.memset_ns.saturating_add(dur);
             }
         }
         if let Some(launch) = origin.as_ref().and_then(|o| o.launch_ts_ns)
             && rec.start_ns >= launch
         {
             let delay = rec.start_ns - launch;
-            s.queue_delay_ns += delay;
+            s.queue_delay_ns = s.queue_delay_ns.saturating_add(delay);
             s.queue_delays += 1;
             s.max_queue_delay_ns = s.max_queue_delay_ns.max(delay);
         }

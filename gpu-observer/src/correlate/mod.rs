@@ -185,10 +185,12 @@ pub struct Amount {
 }
 
 impl Amount {
+    /// Saturating: sizes and durations come from the observed process (a call the driver
+    /// refuses can still name 2^64 bytes), and a total must never wrap or panic.
     fn add(&mut self, bytes: u64, ns: u64) {
-        self.count += 1;
-        self.bytes += bytes;
-        self.ns += ns;
+        self.count = self.count.saturating_add(1);
+        self.bytes = self.bytes.saturating_add(bytes);
+        self.ns = self.ns.saturating_add(ns);
     }
 }
 
@@ -394,7 +396,7 @@ impl Process {
         });
         if add {
             l.count += 1;
-            l.bytes += a.bytes;
+            l.bytes = l.bytes.saturating_add(a.bytes);
         } else {
             l.count = l.count.saturating_sub(1);
             l.bytes = l.bytes.saturating_sub(a.bytes);
@@ -772,7 +774,8 @@ impl Correlator {
                         p.tally(old, false);
                     }
                     p.tally(a, true);
-                    *p.stats.live_mut(c.mem) += bytes;
+                    let live = p.stats.live_mut(c.mem);
+                    *live = live.saturating_add(bytes);
                     p.stats.live_allocs += 1;
                     p.memory_dirty = true;
                 }

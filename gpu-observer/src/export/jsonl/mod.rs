@@ -63,6 +63,16 @@ impl<T: std::fmt::Display> std::fmt::Display for OptNum<T> {
     }
 }
 
+/// A number with three decimals, formatted as it is written (no string in between: this is
+/// on every copy's line).
+struct Fixed3(f64);
+
+impl std::fmt::Display for Fixed3 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:.3}", self.0)
+    }
+}
+
 /// Writes `"key":` followed by a JSON string or `null`.
 fn opt_str<W: Write>(out: &mut W, key: &str, v: Option<&str>) -> io::Result<()> {
     write!(out, ",\"{key}\":")?;
@@ -207,7 +217,7 @@ impl<W: Write> JsonlWriter<W> {
                     ",\"direction\":\"{}\",\"direction_inferred\":{},\"bytes\":{bytes},\"duration_ns\":{dur},\"bandwidth_mbps\":{},\"is_slow\":{slow},\"async\":{},\"stream\":{},\"dst\":{},\"src\":{}",
                     c.direction.name(),
                     c.direction_inferred,
-                    OptNum((!c.abandoned).then(|| format!("{:.3}", bandwidth_mbps(bytes, c.duration_ns)))),
+                    OptNum((!c.abandoned).then(|| Fixed3(bandwidth_mbps(bytes, c.duration_ns)))),
                     c.stream.is_some(),
                     OptHex(c.stream),
                     OptHex(c.dst),
