@@ -311,8 +311,10 @@ fn measure(records: &[Vec<u8>], min: Duration) -> Result<Measured> {
         for r in records {
             item.clear();
             item.extend_from_slice(r);
-            if let Some(pid) = item.get_mut(PID_AT..PID_AT + 4) {
-                let new = u32::from_ne_bytes(pid.try_into().unwrap()).wrapping_add(offset);
+            if let Some(pid) = item.get_mut(PID_AT..PID_AT + 4)
+                && let Ok(old) = <[u8; 4]>::try_from(&*pid)
+            {
+                let new = u32::from_ne_bytes(old).wrapping_add(offset);
                 pid.copy_from_slice(&new.to_ne_bytes());
             }
             pipe.record(&item)?;

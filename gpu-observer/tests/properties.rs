@@ -12,6 +12,11 @@
 //! record, which its injection library writes). Fields the kernel fills in (the header's
 //! timestamp, pid and tid, call durations, ioctl counts) come from realistic ranges, except in
 //! the decode properties, where every byte is arbitrary.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: a panic is the test failing"
+)]
 
 use std::{
     sync::{Arc, Mutex},

@@ -12,6 +12,11 @@
 //! tick (its last `memory` line's `ts_ns`, given to `finish`), and the summary's parts that are
 //! not the pipeline's (`wall_ns`, `otlp`, `libraries`). One field is left out of the comparison:
 //! the `ts_ns` of `leak` lines, the agent's clock when it handled the batch the exit came in.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: a panic is the test failing"
+)]
 
 use std::{
     collections::{BTreeMap, HashMap},

@@ -13,6 +13,7 @@ use clap::{Parser, Subcommand};
 
 mod record_fixture;
 mod soak;
+mod workload;
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
 

@@ -9,16 +9,17 @@
 
 use std::{
     fs,
-    io::{BufRead, BufReader, Write},
+    io::{BufRead, BufReader},
     os::fd::AsRawFd,
-    path::Path,
-    process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio},
+    process::{Child, Command, ExitStatus, Stdio},
     sync::{Arc, Mutex},
     thread,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result, bail};
+
+use crate::workload::Workload;
 use gpu_observer_common::{
     api,
     cupti::GpuRecord,
@@ -63,7 +64,11 @@ pub fn record_fixture() -> Result<()> {
 
     let _lock = machine_lock()?;
     let lib = fixtures.join("libcuda.so.1");
-    let mut w = Workload::start(&fixtures.join("cuda_workload"))?;
+    let mut w = Workload::start(
+        &fixtures.join("cuda_workload"),
+        // The fake libcuda's default sync sleep (2 ms), said explicitly; no injection library.
+        &[("FAKE_CUDA_SYNC_US", "2000".into())],
+    )?;
     let loaded = w.cmd(&format!("load {}", lib.display()))?;
     let (rec, out) = (work.join(format!("{NAME}.rec")), work.join(format!("{NAME}.jsonl")));
     let args: Vec<String> = vec![
@@ -88,13 +93,22 @@ pub fn record_fixture() -> Result<()> {
         .spawn()
         .with_context(|| format!("spawn {}", bin.display()))?;
     let stderr = collect(agent.stderr.take().context("observer stderr")?);
-    let said = |needle: &str| stderr.lock().unwrap().iter().any(|l| l.contains(needle));
+    let said = |needle: &str| {
+        stderr
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .any(|l| l.contains(needle))
+    };
     let start = Instant::now();
     while !said("gpu-observer: ready") {
         if let Some(st) = agent.try_wait()? {
             bail!(
                 "the observer exited before `ready` ({st}):\n{}",
-                stderr.lock().unwrap().join("\n")
+                stderr
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .join("\n")
             );
         }
         if start.elapsed() > Duration::from_secs(60) {
@@ -116,7 +130,10 @@ pub fn record_fixture() -> Result<()> {
     }
     w.exit()?;
     let status = wait(&mut agent, Duration::from_secs(60))?;
-    let stderr = stderr.lock().unwrap().join("\n");
+    let stderr = stderr
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .join("\n");
     if !status.success() {
         bail!("the observer exited with {status}:\n{stderr}");
     }
@@ -240,7 +257,9 @@ fn collect(pipe: impl std::io::Read + Send + 'static) -> Arc<Mutex<Vec<String>>>
     let sink = lines.clone();
     thread::spawn(move || {
         for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-            sink.lock().unwrap().push(line);
+            sink.lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(line);
         }
     });
     lines
@@ -259,71 +278,5 @@ fn wait(child: &mut Child, timeout: Duration) -> Result<ExitStatus> {
             bail!("the observer did not exit within {timeout:?} of the workload's exit");
         }
         thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// The scripted workload, one command and one reply line at a time.
-struct Workload {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    pid: u32,
-}
-
-impl Workload {
-    fn start(exe: &Path) -> Result<Self> {
-        let mut child = Command::new(exe)
-            // The fake libcuda's default sync sleep (2 ms), said explicitly.
-            .env("FAKE_CUDA_SYNC_US", "2000")
-            .env_remove("CUDA_INJECTION64_PATH")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .with_context(|| format!("spawn {}", exe.display()))?;
-        let stdin = child.stdin.take().context("workload stdin")?;
-        let mut stdout = BufReader::new(child.stdout.take().context("workload stdout")?);
-        let mut line = String::new();
-        stdout.read_line(&mut line)?;
-        let pid = line
-            .trim()
-            .strip_prefix("ready ")
-            .and_then(|p| p.parse().ok())
-            .with_context(|| format!("workload said {line:?}, not `ready <pid>`"))?;
-        Ok(Self {
-            child,
-            stdin,
-            stdout,
-            pid,
-        })
-    }
-
-    fn cmd(&mut self, line: &str) -> Result<String> {
-        writeln!(self.stdin, "{line}")?;
-        self.stdin.flush()?;
-        let mut reply = String::new();
-        self.stdout.read_line(&mut reply)?;
-        if !reply.starts_with("ok") {
-            bail!("workload: `{line}` → {:?}", reply.trim());
-        }
-        Ok(reply.trim().to_string())
-    }
-
-    fn exit(mut self) -> Result<()> {
-        self.cmd("exit")?;
-        let st = self.child.wait()?;
-        if !st.success() {
-            bail!("workload exited with {st}");
-        }
-        Ok(())
-    }
-}
-
-impl Drop for Workload {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
     }
 }

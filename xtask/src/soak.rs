@@ -26,8 +26,8 @@ use std::{
     collections::HashMap,
     fs,
     io::{BufRead, BufReader, Write},
-    path::{Path, PathBuf},
-    process::{Child, ChildStdin, ChildStdout, Command, Stdio},
+    path::PathBuf,
+    process::{Child, ChildStdout, Command, Stdio},
     sync::{Arc, Condvar, Mutex},
     thread,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
@@ -36,6 +36,8 @@ use std::{
 use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 use serde_json::{Value, json};
+
+use crate::workload::Workload;
 
 /// What `cargo xtask soak` was asked for.
 pub struct Options {
@@ -276,94 +278,6 @@ impl Ctx {
 }
 
 /// The scripted workload (tests/fixtures/cuda_workload), driven line by line.
-struct Workload {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    pid: u32,
-}
-
-impl Workload {
-    fn start(ctx: &Ctx, env: &[(&str, String)]) -> Result<Workload> {
-        let exe = ctx.fixtures.join("cuda_workload");
-        let mut child = Command::new(&exe)
-            .envs(env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .with_context(|| format!("spawn {}", exe.display()))?;
-        let stdin = child.stdin.take().context("workload stdin")?;
-        let mut stdout = BufReader::new(child.stdout.take().context("workload stdout")?);
-        let mut line = String::new();
-        stdout.read_line(&mut line)?;
-        let pid = line
-            .trim()
-            .strip_prefix("ready ")
-            .and_then(|p| p.parse().ok())
-            .with_context(|| format!("workload said {line:?}, not `ready <pid>`"))?;
-        ctx.register(pid);
-        Ok(Workload {
-            child,
-            stdin,
-            stdout,
-            pid,
-        })
-    }
-
-    fn cmd(&mut self, line: &str) -> Result<String> {
-        writeln!(self.stdin, "{line}")?;
-        self.stdin.flush()?;
-        let mut reply = String::new();
-        self.stdout.read_line(&mut reply)?;
-        if !reply.starts_with("ok") {
-            bail!("workload {}: `{line}` → {:?}", self.pid, reply.trim());
-        }
-        Ok(reply.trim().to_string())
-    }
-
-    /// `run T N`: the calls made, from the workload's ledger (one record line per call), which
-    /// must agree with the number its reply gives.
-    fn run(&mut self, (threads, rounds): (u64, u64), ledger: &Path) -> Result<u64> {
-        let reply = self.cmd(&format!("run {threads} {rounds} {}", ledger.display()))?;
-        let said: u64 = reply
-            .strip_prefix("ok run ")
-            .and_then(|n| n.parse().ok())
-            .with_context(|| format!("workload {}: unexpected reply {reply:?}", self.pid))?;
-        let lines = fs::read_to_string(ledger)
-            .with_context(|| format!("read the ledger {}", ledger.display()))?
-            .lines()
-            .count() as u64;
-        fs::remove_file(ledger)?;
-        if lines != said {
-            bail!(
-                "workload {}: its reply says {said} calls, its ledger holds {lines}",
-                self.pid
-            );
-        }
-        Ok(lines)
-    }
-
-    fn exit(mut self) -> Result<()> {
-        self.cmd("exit")?;
-        let st = self.child.wait()?;
-        if !st.success() {
-            bail!("workload {} exited with {st}", self.pid);
-        }
-        Ok(())
-    }
-}
-
-impl Drop for Workload {
-    fn drop(&mut self) {
-        // Only a workload left behind by an error is still running here.
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
 fn sleep_rest(period: Duration, since: Instant) {
     thread::sleep(period.saturating_sub(since.elapsed()));
 }
@@ -381,7 +295,8 @@ fn churn_one(ctx: &Ctx, seq: u64) -> Result<()> {
         (ctx.shared_lib.clone(), None)
     };
     let from = ctx.log_len();
-    let mut w = Workload::start(ctx, &[])?;
+    let mut w = Workload::start(&ctx.fixtures.join("cuda_workload"), &[])?;
+    ctx.register(w.pid);
     w.cmd(&format!("load {}", lib.display()))?;
     if private {
         // A new inode is found by the rescan: calls made before the attach are not seen.
@@ -442,7 +357,8 @@ fn steady(ctx: &Ctx, name: &str, cupti: bool, period: Duration, run: (u64, u64))
         Vec::new()
     };
     let from = ctx.log_len();
-    let mut w = Workload::start(ctx, &env)?;
+    let mut w = Workload::start(&ctx.fixtures.join("cuda_workload"), &env)?;
+    ctx.register(w.pid);
     w.cmd(&format!("load {}", ctx.shared_lib.display()))?;
     w.cmd("init")?;
     ctx.credit(w.pid, INIT_CALLS, 0);
