@@ -27,6 +27,9 @@ pub mod names {
     pub const PROG_PROCESS_EXIT: &str = "process_exit";
     pub const PROG_CUPTI_BATCH: &str = "cupti_batch";
     pub const PROG_CUPTI_NAME: &str = "cupti_name";
+    pub const PROG_TASK_NEWTASK: &str = "task_newtask";
+    pub const FOLLOWED: &str = "FOLLOWED";
+    pub const FOLLOW_MISSED: &str = "FOLLOW_MISSED";
 }
 
 /// Slots of the `CONFIG` array map, written by the agent before attaching.
@@ -37,12 +40,24 @@ pub mod config {
     pub const AGENT_TGID: u32 = 1;
     /// Non-zero: every program returns at once (set while the agent shuts down).
     pub const DISABLED: u32 = 2;
+    /// Non-zero: with `FILTER_TGID`, its descendants are observed too (the `FOLLOWED` map,
+    /// kept by the `task_newtask` tracepoint).
+    pub const FOLLOW_CHILDREN: u32 = 3;
     pub const LEN: u32 = 4;
+}
+
+/// The `task/task_newtask` tracepoint's record, as its tracefs format file gives it (the agent
+/// checks these against the running kernel's format before it relies on them).
+pub mod newtask {
+    pub const PID_OFFSET: usize = 8;
+    pub const CLONE_FLAGS_OFFSET: usize = 32;
+    /// A new thread of the same process, not a new process.
+    pub const CLONE_THREAD: u64 = 0x0001_0000;
 }
 
 /// Bounds of the eBPF hash maps. Bounded so a leak in a probed process can never grow kernel memory.
 pub mod limits {
-    /// Processes observed at once.
+    /// Processes observed at once (also: processes of a followed tree at once).
     pub const MAX_PROCESSES: u32 = 16_384;
     /// Threads inside a probed CUDA call (or an ioctl) at once.
     pub const MAX_INFLIGHT_THREADS: u32 = 65_536;

@@ -9,7 +9,7 @@ use gpu_observer_common::{
     event::{COMM_LEN, EventHeader, EventKind},
 };
 
-use crate::maps::{CONFIG, DROPS, DROPS_BY_PID, EVENTS, OBSERVED};
+use crate::maps::{CONFIG, DROPS, DROPS_BY_PID, EVENTS, FOLLOWED, OBSERVED};
 
 const BPF_RB_NO_WAKEUP: u64 = 1;
 const BPF_RB_FORCE_WAKEUP: u64 = 2;
@@ -33,18 +33,26 @@ pub fn current() -> Ids {
 }
 
 #[inline(always)]
-fn config(slot: u32) -> u32 {
+pub fn config(slot: u32) -> u32 {
     CONFIG.get(slot).copied().unwrap_or(0)
 }
 
-/// Whether a probed libcuda call of this process is recorded (`--pid` filter, never the agent).
+/// Whether a probed libcuda call of this process is recorded (`--pid`/`run`: the process and,
+/// unless `--no-children`, its descendants; never the agent).
 #[inline(always)]
 fn wanted(ids: Ids) -> bool {
-    if disabled() {
+    if disabled() || config(config::AGENT_TGID) == ids.tgid {
         return false;
     }
     let filter = config(config::FILTER_TGID);
-    (filter == 0 || filter == ids.tgid) && config(config::AGENT_TGID) != ids.tgid
+    filter == 0 || filter == ids.tgid || (config(config::FOLLOW_CHILDREN) != 0 && followed(ids.tgid))
+}
+
+/// A descendant of the followed process.
+#[inline(always)]
+pub fn followed(tgid: u32) -> bool {
+    // SAFETY: a lookup of a plain u32 key; the value is not read.
+    unsafe { FOLLOWED.get(tgid) }.is_some()
 }
 
 /// Prologue of every uprobe: the caller's ids if this process is observed (and now marked so).

@@ -3,7 +3,7 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, RingBuf},
 };
 use gpu_observer_common::{
     config,
@@ -20,6 +20,16 @@ pub static CONFIG: Array<u32> = Array::with_max_entries(config::LEN, 0);
 /// tgid → 1 for processes whose ioctls are recorded (set by the agent and on the first probed call).
 #[map]
 pub static OBSERVED: LruHashMap<u32, u32> = LruHashMap::with_max_entries(limits::MAX_PROCESSES, 0);
+
+/// tgid → its parent's tgid, for the descendants of the followed process (`FOLLOW_CHILDREN`).
+/// Not an LRU: a member must never be evicted while it runs. A child that finds the map full
+/// is counted in `FOLLOW_MISSED` (the agent says so).
+#[map]
+pub static FOLLOWED: HashMap<u32, u32> = HashMap::with_max_entries(limits::MAX_PROCESSES, 0);
+
+/// Children of followed processes that did not fit in `FOLLOWED`.
+#[map]
+pub static FOLLOW_MISSED: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
 /// tid → the probed call the thread is inside.
 #[map]

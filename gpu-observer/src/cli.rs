@@ -19,9 +19,14 @@ pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,
 
-    /// Observe only this process (all its threads). Default: every process.
+    /// Observe only this process (all its threads) and its descendants, those running now and
+    /// those it starts later. Default: every process.
     #[arg(long, short = 'p', global = true)]
     pub pid: Option<u32>,
+
+    /// With --pid or `run`: the process alone, not its children.
+    #[arg(long, global = true)]
+    pub no_children: bool,
 
     /// Stop after this many seconds (default: until Ctrl-C / SIGTERM); fractions allowed, at
     /// most a year.

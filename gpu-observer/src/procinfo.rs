@@ -18,6 +18,10 @@ pub const MAX_COMMAND_LINE: usize = 4096;
 const MAX_COMM: usize = 64;
 /// A cgroup file names a few hierarchies; more than this is not a container's.
 const MAX_CGROUP: usize = 16 << 10;
+/// `/proc/PID/stat` is one line of a few hundred bytes (the command name is at most 16).
+const MAX_STAT: usize = 4096;
+/// Descendants followed from /proc at start (the BPF map holds as many processes).
+const MAX_DESCENDANTS: usize = gpu_observer_common::limits::MAX_PROCESSES as usize;
 /// Log links looked at in the kubelet's directory to name a container's pod.
 const MAX_LOG_ENTRIES: usize = 16_384;
 
@@ -107,6 +111,44 @@ impl ProcInfo {
             return None;
         }
         None
+    }
+
+    /// The process's parent (from `/proc/PID/stat`: the field after the command name, which
+    /// may itself hold spaces and parentheses, so it is found after the last `)`).
+    pub fn ppid(&self, pid: u32) -> Option<u32> {
+        let (stat, _) = read_bounded(&self.path(pid, "stat"), MAX_STAT)?;
+        let stat = String::from_utf8_lossy(&stat);
+        let after = &stat[stat.rfind(')')? + 1..];
+        after.split_whitespace().nth(1)?.parse().ok()
+    }
+
+    /// Every process now running below `root` (children, their children, …), each with its
+    /// parent, at most [`MAX_DESCENDANTS`].
+    pub fn descendants(&self, root: u32) -> Vec<(u32, u32)> {
+        let Ok(dir) = std::fs::read_dir(&self.root) else {
+            return Vec::new();
+        };
+        let mut children: std::collections::HashMap<u32, Vec<u32>> = std::collections::HashMap::new();
+        for e in dir.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            if let Some(ppid) = self.ppid(pid) {
+                children.entry(ppid).or_default().push(pid);
+            }
+        }
+        let mut out = Vec::new();
+        let mut todo = vec![root];
+        while let Some(p) = todo.pop() {
+            for &c in children.get(&p).map_or(&[][..], Vec::as_slice) {
+                if out.len() >= MAX_DESCENDANTS || c == root {
+                    return out;
+                }
+                out.push((c, p));
+                todo.push(c);
+            }
+        }
+        out
     }
 
     /// The host's name (UTS namespace of the agent).
@@ -259,6 +301,33 @@ mod tests {
         std::fs::write(dir.join("9/comm"), "x".repeat(10_000)).unwrap();
         assert_eq!(info.comm(9).map(|c| c.len()), Some(MAX_COMM));
         assert_eq!(info.comm(10), None);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn descendants_follow_the_parent_links_down_from_the_root() {
+        let dir = scratch("tree");
+        // 10 → 11 → 13, 10 → 12; 20 is not below 10; a command name with ") (" in it.
+        for (pid, ppid, comm) in [
+            (10, 1, "root"),
+            (11, 10, "a) (b"),
+            (12, 10, "c"),
+            (13, 11, "d"),
+            (20, 1, "x"),
+        ] {
+            std::fs::create_dir_all(dir.join(pid.to_string())).unwrap();
+            std::fs::write(
+                dir.join(format!("{pid}/stat")),
+                format!("{pid} ({comm}) S {ppid} {pid} 0 0"),
+            )
+            .unwrap();
+        }
+        let info = ProcInfo::new(&dir, &dir);
+        assert_eq!(info.ppid(11), Some(10));
+        let mut d = info.descendants(10);
+        d.sort_unstable();
+        assert_eq!(d, [(11, 10), (12, 10), (13, 11)]);
+        assert!(info.descendants(13).is_empty());
         let _ = std::fs::remove_dir_all(&dir);
     }
 

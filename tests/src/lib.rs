@@ -4,6 +4,7 @@
 //! `cargo xtask test` builds everything and sets `GPU_OBSERVER_BIN` / `GPU_OBSERVER_FIXTURES`.
 
 use std::{
+    collections::{BTreeMap, HashMap},
     io::{BufRead, BufReader, Write},
     path::{Path, PathBuf},
     process::{Child, ChildStdin, ChildStdout, Command, Stdio},
@@ -350,4 +351,42 @@ pub fn key_of(expected: &Value, actual: &Value) -> String {
         parts.push(format!("{k}={}", actual.get(k).unwrap_or(&Value::Null)));
     }
     parts.join(" ")
+}
+
+/// Multiset of calls per api, keyed by the fields the expected records carry.
+fn by_api(records: &[&Value], template: &HashMap<String, Value>) -> BTreeMap<String, BTreeMap<String, usize>> {
+    let mut out: BTreeMap<String, BTreeMap<String, usize>> = BTreeMap::new();
+    for r in records {
+        let api = r["api"].as_str().unwrap_or("?").to_string();
+        let Some(t) = template.get(&api) else {
+            continue;
+        };
+        *out.entry(api).or_default().entry(key_of(t, r)).or_default() += 1;
+    }
+    out
+}
+
+/// Every expected call was captured once with the same argument values, and nothing else.
+pub fn assert_exact(expected: &[Value], captured: &Captured, pid: u32) {
+    let template: HashMap<String, Value> = expected
+        .iter()
+        .map(|e| (e["api"].as_str().unwrap().to_string(), e.clone()))
+        .collect();
+    let exp: Vec<&Value> = expected.iter().collect();
+    let got: Vec<&Value> = captured
+        .events
+        .iter()
+        .filter(|e| e["pid"] == pid && e["api"].is_string() && is_event(e))
+        .filter(|e| template.contains_key(e["api"].as_str().unwrap()))
+        .collect();
+    let (want, have) = (by_api(&exp, &template), by_api(&got, &template));
+    for (api, calls) in &want {
+        assert_eq!(
+            Some(calls),
+            have.get(api),
+            "calls of {api} differ (expected vs captured)"
+        );
+    }
+    assert_eq!(want.len(), have.len());
+    assert_eq!(exp.len(), got.len());
 }

@@ -18,44 +18,6 @@ const SYNC_APIS: [&str; 5] = [
     "cuEventSynchronize",
 ];
 
-/// Multiset of calls per api, keyed by the fields the expected records carry.
-fn by_api(records: &[&Value], template: &HashMap<String, Value>) -> BTreeMap<String, BTreeMap<String, usize>> {
-    let mut out: BTreeMap<String, BTreeMap<String, usize>> = BTreeMap::new();
-    for r in records {
-        let api = r["api"].as_str().unwrap_or("?").to_string();
-        let Some(t) = template.get(&api) else {
-            continue;
-        };
-        *out.entry(api).or_default().entry(key_of(t, r)).or_default() += 1;
-    }
-    out
-}
-
-/// Every expected call was captured once with the same argument values, and nothing else.
-fn assert_exact(expected: &[Value], captured: &Captured, pid: u32) {
-    let template: HashMap<String, Value> = expected
-        .iter()
-        .map(|e| (e["api"].as_str().unwrap().to_string(), e.clone()))
-        .collect();
-    let exp: Vec<&Value> = expected.iter().collect();
-    let got: Vec<&Value> = captured
-        .events
-        .iter()
-        .filter(|e| e["pid"] == pid && e["api"].is_string() && is_event(e))
-        .filter(|e| template.contains_key(e["api"].as_str().unwrap()))
-        .collect();
-    let (want, have) = (by_api(&exp, &template), by_api(&got, &template));
-    for (api, calls) in &want {
-        assert_eq!(
-            Some(calls),
-            have.get(api),
-            "calls of {api} differ (expected vs captured)"
-        );
-    }
-    assert_eq!(want.len(), have.len());
-    assert_eq!(exp.len(), got.len());
-}
-
 #[test]
 fn every_variant_from_several_threads_with_exact_arguments() {
     let _g = serial();

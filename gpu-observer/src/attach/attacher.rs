@@ -19,7 +19,7 @@ use std::{
 
 use crate::{
     attach::{
-        FileKey, Probes,
+        FileKey, Probes, Scope,
         discover::{self, LibKind, MappedLibrary, MappingId},
         open::{self, Opened, Refused},
         stats::{AttachStats, Reason},
@@ -59,7 +59,8 @@ enum Seen {
 /// Tracks which libcuda files are attached and which processes are known to map one.
 pub struct Attacher {
     pub probes: Probes,
-    pub pid: Option<u32>,
+    /// Whose mappings are scanned.
+    pub scope: Scope,
     pub known_pids: HashSet<u32>,
     max_per_user: usize,
     files: HashMap<FileKey, FileInfo>,
@@ -100,10 +101,10 @@ fn parse(kind: LibKind, opened: Opened, shown: &str) -> Result<(Opened, Parsed),
 }
 
 impl Attacher {
-    pub fn new(probes: Probes, pid: Option<u32>, max_per_user: u32) -> Self {
+    pub fn new(probes: Probes, scope: Scope, max_per_user: u32) -> Self {
         Self {
             probes,
-            pid,
+            scope,
             known_pids: HashSet::new(),
             max_per_user: max_per_user as usize,
             files: HashMap::new(),
@@ -233,9 +234,13 @@ impl Attacher {
     /// Finds libcuda in the observed processes: attaches new files, releases files no process
     /// maps any more, marks new processes. Returns how many mappings it found.
     pub fn rescan(&mut self) -> usize {
-        let libs = match self.pid {
-            Some(pid) => discover::scan_pid(pid),
-            None => discover::scan_all(),
+        let libs = match self.scope {
+            Scope::One(pid) => discover::scan_pid(pid),
+            Scope::Tree(root) => std::iter::once(root)
+                .chain(self.probes.followed())
+                .flat_map(discover::scan_pid)
+                .collect(),
+            Scope::All => discover::scan_all(),
         };
         let mut now = HashSet::with_capacity(self.known_pids.len());
         // Mappings to open, in turns by user.

@@ -3,6 +3,7 @@
 
 pub mod attacher;
 pub mod discover;
+pub mod follow;
 mod multi;
 pub mod open;
 pub mod stats;
@@ -58,6 +59,28 @@ enum Link {
 /// The links that hold one library file.
 struct AttachedFile {
     links: Vec<Link>,
+}
+
+/// Which processes are observed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// Every process on the machine.
+    All,
+    /// One process (`--pid N --no-children`, `run --no-children`).
+    One(u32),
+    /// A process and all its descendants, present and future (`--pid N`, `run`): links for
+    /// every process, filtered in BPF by the tree the `task_newtask` tracepoint keeps.
+    Tree(u32),
+}
+
+impl Scope {
+    /// The process a `--pid` or `run` observes.
+    pub fn root(self) -> Option<u32> {
+        match self {
+            Scope::All => None,
+            Scope::One(p) | Scope::Tree(p) => Some(p),
+        }
+    }
 }
 
 /// Loaded programs and the set of library files they are attached to.
@@ -135,7 +158,8 @@ fn probe_points(syms: &symbols::LibrarySymbols) -> Vec<ProbePoint> {
 
 impl Probes {
     /// Loads and verifies the programs and hooks the tracepoints; no uprobe is attached yet.
-    pub fn load(ring_bytes: u32, pid_filter: Option<u32>, perf_uprobes: bool) -> Result<Self> {
+    pub fn load(ring_bytes: u32, observed: Scope, perf_uprobes: bool) -> Result<Self> {
+        let pid_filter = observed.root();
         let mut ebpf = EbpfLoader::new()
             .map_max_entries(names::EVENTS, ring_bytes)
             .load(EBPF_OBJECT)
@@ -144,6 +168,11 @@ impl Probes {
             let mut cfg: Array<_, u32> = Array::try_from(map_mut(&mut ebpf, names::CONFIG)?)?;
             cfg.set(config::FILTER_TGID, pid_filter.unwrap_or(0), 0)?;
             cfg.set(config::AGENT_TGID, std::process::id(), 0)?;
+            cfg.set(
+                config::FOLLOW_CHILDREN,
+                u32::from(matches!(observed, Scope::Tree(_))),
+                0,
+            )?;
         }
         let loaded = if perf_uprobes {
             Err(anyhow!("--perf-uprobes"))
@@ -178,9 +207,23 @@ impl Probes {
                 format!("attach tracepoint {category}/{event}: is tracefs mounted (/sys/kernel/tracing)?")
             })?;
         }
-        let scope = match pid_filter.and_then(NonZeroU32::new) {
-            Some(pid) => UProbeScope::OneProcess(pid),
-            None => UProbeScope::AllProcesses,
+        if matches!(observed, Scope::Tree(_)) {
+            follow::check_newtask_format()?;
+            let prog: &mut TracePoint = ebpf
+                .program_mut(names::PROG_TASK_NEWTASK)
+                .ok_or_else(|| anyhow!("program {} missing from the eBPF object", names::PROG_TASK_NEWTASK))?
+                .try_into()?;
+            prog.load()
+                .map_err(crate::preflight::explain_program_error(names::PROG_TASK_NEWTASK))?;
+            prog.attach("task", "task_newtask").context(
+                "attach tracepoint task/task_newtask (needed to follow children; --no-children does without)",
+            )?;
+        }
+        // A tree's future members are not known yet: their probes must already be there when
+        // they start, so the links are for every process and BPF filters (docs/DESIGN.md).
+        let scope = match observed {
+            Scope::One(pid) => NonZeroU32::new(pid).map_or(UProbeScope::AllProcesses, UProbeScope::OneProcess),
+            Scope::All | Scope::Tree(_) => UProbeScope::AllProcesses,
         };
         Ok(Self {
             ebpf,
@@ -390,6 +433,39 @@ impl Probes {
         let mut observed: BpfHashMap<_, u32, u32> = BpfHashMap::try_from(map_mut(&mut self.ebpf, names::OBSERVED)?)?;
         observed.insert(pid, 1, 0)?;
         Ok(())
+    }
+
+    /// Adds processes to the followed tree (descendants found in /proc): (pid, parent).
+    pub fn follow(&mut self, members: &[(u32, u32)]) -> Result<()> {
+        let mut map: BpfHashMap<_, u32, u32> = BpfHashMap::try_from(map_mut(&mut self.ebpf, names::FOLLOWED)?)?;
+        for &(pid, parent) in members {
+            if map.get(&pid, 0).is_err() {
+                map.insert(pid, parent, 0)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The followed tree's members now (not the root).
+    pub fn followed(&self) -> Vec<u32> {
+        let Some(m) = self.ebpf.map(names::FOLLOWED) else {
+            return Vec::new();
+        };
+        let Ok(map) = BpfHashMap::<_, u32, u32>::try_from(m) else {
+            return Vec::new();
+        };
+        map.keys().filter_map(Result::ok).collect()
+    }
+
+    /// Children of followed processes that did not fit in the tree's map (not observed).
+    pub fn follow_missed(&self) -> u64 {
+        let Some(m) = self.ebpf.map(names::FOLLOW_MISSED) else {
+            return 0;
+        };
+        let Ok(a) = PerCpuArray::<_, u64>::try_from(m) else {
+            return 0;
+        };
+        a.get(&0, 0).map(|v| v.iter().sum()).unwrap_or(0)
     }
 
     /// The ring buffer, moved out to the reader thread.

@@ -57,6 +57,10 @@ struct Run {
     /// No libcuda mapped yet (told once).
     waiting: bool,
     last_drops: u64,
+    /// The observed process (`--pid`, `run`) exited: why; the run ends with its last descendant.
+    root_gone: Option<String>,
+    told_descendants: bool,
+    last_follow_missed: u64,
 }
 
 /// Why watching ended.

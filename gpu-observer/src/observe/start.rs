@@ -12,7 +12,7 @@ use anyhow::{Result, anyhow, bail};
 
 use super::Run;
 use crate::{
-    attach::{Attacher, Probes, discover, discover::LibKind},
+    attach::{Attacher, Probes, Scope, discover, discover::LibKind, follow},
     cli::{Cli, Command, Format},
     clock::monotonic_ns,
     correlate::Correlator,
@@ -64,8 +64,19 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
         _ => None,
     };
     let pid_filter = spawned.as_ref().map(spawn::Spawned::pid).or(cli.pid);
-    let probes = Probes::load(cli.ring_buffer_size, pid_filter, cli.perf_uprobes)?;
-    let mut at = Attacher::new(probes, pid_filter, cli.max_libraries_per_user);
+    let scope = match pid_filter {
+        None => Scope::All,
+        Some(p) if cli.no_children => Scope::One(p),
+        Some(p) => Scope::Tree(p),
+    };
+    let mut probes = Probes::load(cli.ring_buffer_size, scope, cli.perf_uprobes)?;
+    if let Scope::Tree(root) = scope {
+        let n = follow::seed(&mut probes, root, &ProcInfo::host())?;
+        if n > 0 {
+            say(format_args!("following pid {root} and its {n} descendants"));
+        }
+    }
+    let mut at = Attacher::new(probes, scope, cli.max_libraries_per_user);
     if let Some(lib) = spawned.as_ref().and_then(|s| s.injection.clone())
         && let Err(e) = at.attach_up_front(&lib, LibKind::Hooks)
     {
@@ -174,6 +185,9 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
         view: terminal::LiveView::default(),
         waiting,
         last_drops: 0,
+        root_gone: None,
+        told_descendants: false,
+        last_follow_missed: 0,
     })
 }
 

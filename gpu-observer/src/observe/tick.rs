@@ -6,7 +6,7 @@ use std::io::Write;
 use anyhow::Result;
 
 use super::{End, Run};
-use crate::{pipeline::Request, say, snapshot::AgentStats};
+use crate::{attach::Scope, pipeline::Request, say, snapshot::AgentStats};
 
 impl Run {
     /// `Some(why)` when the run should end.
@@ -15,16 +15,40 @@ impl Run {
         if self.waiting && mapped > 0 {
             self.waiting = false;
         }
-        if let Some(s) = self.spawned.as_mut()
+        // The observed process's end; with its descendants followed, the end of the last.
+        if end.exit_status.is_none()
+            && let Some(s) = self.spawned.as_mut()
             && let Some(status) = s.child.try_wait()?
         {
             end.exit_status = Some(status);
-            return Ok(Some(format!("process {} exited ({status})", s.pid())));
+            self.root_gone = Some(format!("process {} exited ({status})", s.pid()));
         }
-        if let Some(pid) = self.cli.pid
+        if self.root_gone.is_none()
+            && let Some(pid) = self.cli.pid
             && !crate::procinfo::ProcInfo::host().exists(pid)
         {
-            return Ok(Some(format!("process {pid} exited")));
+            self.root_gone = Some(format!("process {pid} exited"));
+        }
+        if let Some(why) = &self.root_gone {
+            let left = match self.at.scope {
+                Scope::Tree(_) => self.at.probes.followed().len(),
+                _ => 0,
+            };
+            if left == 0 {
+                return Ok(Some(why.clone()));
+            }
+            if !self.told_descendants {
+                say(format_args!("{why}; observing its {left} descendants until they exit"));
+                self.told_descendants = true;
+            }
+        }
+        let missed = self.at.probes.follow_missed();
+        if missed > self.last_follow_missed {
+            say(format_args!(
+                "warning: {missed} new processes of the followed tree were not followed (its map is full at {} processes)",
+                gpu_observer_common::limits::MAX_PROCESSES
+            ));
+            self.last_follow_missed = missed;
         }
         let drops = self.at.probes.drops().unwrap_or_default();
         if drops.total > self.last_drops {
