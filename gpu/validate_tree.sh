@@ -52,9 +52,10 @@ pid_mode() { # NAME CMD...  (uprobes, --pid of the launcher attached as it start
     ((rc == 0 && crc == 0)) || fail=1
 }
 
-TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc_per_node=1)
-run_mode torchrun_run "${TORCHRUN[@]}" "$HERE/workloads/torch_loop.py" "${TL[@]}" --no-profiler
-pid_mode torchrun_pid "${TORCHRUN[@]}" "$HERE/workloads/torch_loop.py" "${TL[@]}"
+# torchrun's own parser would take torch_loop's options: they go through the environment.
+TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc_per_node=1 "$HERE/workloads/env_args.py")
+TORCH_LOOP_ARGS="${TL[*]} --no-profiler" run_mode torchrun_run "${TORCHRUN[@]}"
+TORCH_LOOP_ARGS="${TL[*]}" pid_mode torchrun_pid "${TORCHRUN[@]}"
 run_mode mpspawn_run "$PY" "$HERE/workloads/mp_spawn.py" "${TL[@]}" --no-profiler
 pid_mode mpspawn_pid "$PY" "$HERE/workloads/mp_spawn.py" "${TL[@]}"
 
@@ -67,7 +68,7 @@ holder() { "$PY" -c 'import ctypes,time; c=ctypes.CDLL("libcuda.so.1"); c.cuInit
 bench() { taskset -c 2 "$W/launch_bench" 200000 5 "$W/$1.json" >"$W/$1.log" 2>&1; "$PY" -c "import json;d=json.load(open('$W/$1.json'));print('$1', d['ns_per_launch_median'])" | tee -a "$REPORT"; }
 note "== cost on an unrelated process (launch_bench, ns per launch, median of 5 rounds of 200000)"
 bench base1
-for mode in tree one; do
+for mode in tree one tree one; do
     holder >"$W/holder.$mode" 2>&1 & hp=$!
     sleep 2
     extra=(); [[ $mode == one ]] && extra=(--no-children)

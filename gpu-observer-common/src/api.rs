@@ -28,6 +28,10 @@ pub enum Family {
     /// Calls that name a kernel handle: `cuModuleGetFunction`, `cuLibraryGetKernel`,
     /// `cuKernelGetFunction`, `cuFuncGetName`, `cuKernelGetName`.
     Symbol,
+    /// `cuLaunchHostFunc(stream, fn, userData)`: a host function queued in a stream, which
+    /// stalls the stream until it has run on a driver thread. Entry + return: the call's own
+    /// time, its stream and the function.
+    HostFunc,
 }
 
 impl Family {
@@ -219,6 +223,15 @@ const fn symbol(name: &'static str, flags: u32) -> ApiSpec {
     }
 }
 
+/// `(stream, fn, userData)`
+const fn host_func(name: &'static str) -> ApiSpec {
+    ApiSpec {
+        stream_arg: 0,
+        dst_arg: 1,
+        ..spec(name, Family::HostFunc)
+    }
+}
+
 const fn sync(name: &'static str, handle_arg: u8) -> ApiSpec {
     ApiSpec {
         stream_arg: handle_arg,
@@ -336,6 +349,10 @@ pub const APIS: &[ApiSpec] = &[
         ..alloc("cuMemHostRegister_v2", Host, NO_ARG)
     },
     free("cuMemHostUnregister", Host, false),
+    // Host functions queued in streams. Appended: ids are the table's order, and recordings
+    // (tests/data) keep theirs.
+    host_func("cuLaunchHostFunc"),
+    host_func("cuLaunchHostFunc_ptsz"),
 ];
 
 /// Number of probed entry points.

@@ -378,3 +378,35 @@ fn perf_event_uprobe_fallback_captures_the_same_calls() {
     assert_exact(&expected_calls(&exp), &cap, pid);
     assert_eq!(cap.count(|e| e["type"] == "ioctl" && e["pid"] == pid), 7 * 4);
 }
+
+#[test]
+fn host_functions_queued_in_streams_are_seen_with_their_stream_and_function() {
+    let _g = serial();
+    require_root();
+    let dir = scratch("host-funcs");
+    let lib = fresh_lib(&dir, "libcuda.so.1");
+    let mut w = Workload::start();
+    w.cmd(&format!("load {}", lib.display()));
+    w.cmd("init");
+    let agent = Agent::start(&dir, &["--pid", &w.pid.to_string()]);
+    agent.wait_stderr(&format!("attached {} (", lib.display()), Duration::from_secs(10));
+    let reply = w.cmd("host_funcs 10");
+    let mut parts = reply.split_whitespace().skip(2);
+    let function = parts.next().expect("function address").to_string();
+    assert_eq!(parts.next(), Some("10"), "{reply}: every host function ran");
+    let pid = w.pid;
+    w.exit();
+    let cap = agent.finish();
+    let lines: Vec<&serde_json::Value> = cap.of_type("host_func").filter(|e| e["pid"] == pid).collect();
+    assert_eq!(lines.len(), 10);
+    for api in ["cuLaunchHostFunc", "cuLaunchHostFunc_ptsz"] {
+        assert_eq!(lines.iter().filter(|e| e["api"] == api).count(), 5, "{api}");
+    }
+    for e in &lines {
+        assert_eq!(e["stream"], "0x5f", "{e}");
+        assert_eq!(e["function"], function.as_str(), "{e}");
+        assert_eq!(e["result"], 0, "{e}");
+        assert!(e["duration_ns"].as_u64().is_some(), "{e}");
+    }
+    assert_eq!(cap.process_summary(pid)["host_funcs"]["count"], 10);
+}

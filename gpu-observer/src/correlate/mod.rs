@@ -239,6 +239,8 @@ pub struct Stats {
     pub syncs: Amount,
     pub sync_by_target: BTreeMap<SyncTarget, Amount>,
     pub inits: Amount,
+    /// Host functions queued in streams (`cuLaunchHostFunc`): each stalls its stream while it runs.
+    pub host_funcs: Amount,
     pub modules: Amount,
     pub ioctls: Amount,
     /// ioctls issued inside a probed call.
@@ -818,6 +820,7 @@ impl Correlator {
                 by.entry(target).or_default().add(0, c.duration_ns);
             }
             Family::Init => p.stats.inits.add(0, c.duration_ns),
+            Family::HostFunc => p.stats.host_funcs.add(0, c.duration_ns),
             Family::Module => p.stats.modules.add(0, c.duration_ns),
             Family::Symbol => {
                 if let (true, Some(handle)) = (ok, c.handle) {

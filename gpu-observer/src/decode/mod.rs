@@ -294,6 +294,8 @@ pub fn decode_call(spec: &ApiSpec, r: &CallEvent) -> Call {
         Family::Module => (arg(r, spec.dst_arg), None),
         Family::Symbol if spec.flags & Flags::NAME_OUT0 != 0 => (arg(r, spec.src_arg), None),
         Family::Symbol => (ok.then_some(r.out[0]), arg(r, spec.src_arg)),
+        // The host function's address.
+        Family::HostFunc => (arg(r, spec.dst_arg), None),
         _ => (None, None),
     };
     Call {

@@ -434,6 +434,13 @@ pub fn final_summary(snap: &Snapshot, drops: &Drops, wall_ns: u64) -> String {
                 a.ns as f64 / 1e6
             );
         }
+        if s.host_funcs.count > 0 {
+            let _ = writeln!(
+                out,
+                "  host funcs    {:>10}   queued in streams (each stalls its stream while it runs)",
+                s.host_funcs.count
+            );
+        }
         if s.slow_calls > 0 {
             let _ = writeln!(
                 out,

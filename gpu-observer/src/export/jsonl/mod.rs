@@ -177,6 +177,7 @@ impl<W: Write> JsonlWriter<W> {
                     Some(Family::Sync) => "sync",
                     Some(Family::Module) => "module",
                     Some(Family::Symbol) => "symbol",
+                    Some(Family::HostFunc) => "host_func",
                     _ => "init",
                 };
                 self.event_head(ty, ev)?;
@@ -249,6 +250,14 @@ impl<W: Write> JsonlWriter<W> {
                     o,
                     ",\"duration_ns\":{dur},\"is_slow\":{slow},\"handle\":{}",
                     OptHex(c.stream)
+                )?;
+            }
+            Some(Family::HostFunc) => {
+                write!(
+                    o,
+                    ",\"duration_ns\":{dur},\"stream\":{},\"function\":{}",
+                    OptHex(c.stream),
+                    OptHex(c.handle)
                 )?;
             }
             Some(Family::Module | Family::Symbol) => {
@@ -455,8 +464,16 @@ impl<W: Write> JsonlWriter<W> {
         }
         write!(
             o,
-            "]}},\"init\":{{\"count\":{},\"duration_ns\":{}}},\"modules\":{{\"count\":{},\"duration_ns\":{}}},\"ioctl\":{{\"count\":{},\"duration_ns\":{},\"in_calls\":{},\"by_api\":{{",
-            s.inits.count, s.inits.ns, s.modules.count, s.modules.ns, s.ioctls.count, s.ioctls.ns, s.ioctls_in_calls
+            "]}},\"host_funcs\":{{\"count\":{},\"duration_ns\":{}}},\"init\":{{\"count\":{},\"duration_ns\":{}}},\"modules\":{{\"count\":{},\"duration_ns\":{}}},\"ioctl\":{{\"count\":{},\"duration_ns\":{},\"in_calls\":{},\"by_api\":{{",
+            s.host_funcs.count,
+            s.host_funcs.ns,
+            s.inits.count,
+            s.inits.ns,
+            s.modules.count,
+            s.modules.ns,
+            s.ioctls.count,
+            s.ioctls.ns,
+            s.ioctls_in_calls
         )?;
         for (i, (api, a)) in s.ioctl_by_api.iter().enumerate() {
             write!(
