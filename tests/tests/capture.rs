@@ -368,7 +368,7 @@ fn perf_event_uprobe_fallback_captures_the_same_calls() {
     let dir = scratch("perf");
     let mut w = Workload::loaded(&dir);
     let agent = Agent::start(&dir, &["--pid", &w.pid.to_string(), "--perf-uprobes"]);
-    agent.wait_stderr("(87 entry points, 166 probes", Duration::from_secs(10));
+    agent.wait_stderr("(89 entry points, 170 probes", Duration::from_secs(10));
     assert!(agent.stderr().iter().any(|l| l.contains("using perf-event uprobes")));
     let exp = dir.join("expected.jsonl");
     w.cmd(&format!("run 2 2 {}", exp.display()));
