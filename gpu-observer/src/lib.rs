@@ -6,6 +6,7 @@
 //! `decode` → `correlate` → the `export` sinks, and `snapshot`s for every view) ; `nvml`
 //! samples the devices on a thread of its own; `observe` starts, ticks and stops a run.
 
+pub mod analyze;
 pub mod attach;
 pub mod cli;
 pub mod clock;

@@ -211,9 +211,34 @@ pub struct GpuStats {
     /// First and last GPU timestamps seen, for the busy fraction.
     pub first_gpu_ns: u64,
     pub last_gpu_ns: u64,
+    /// Time at least one of the process's kernels, copies or memsets ran on a device, summed
+    /// over devices: the union of their intervals (overlapping work counted once). Exact when
+    /// records arrive in start order per device, as CUPTI delivers a stream's; a record that
+    /// starts before an earlier-delivered one ended only adds what lies past it.
+    pub busy_ns: u64,
+    /// Per device, the end of the latest interval counted in `busy_ns` (at most MAX_DEVICES).
+    pub busy_until: Vec<(u32, u64)>,
 }
 
 impl GpuStats {
+    /// Adds one GPU interval to the busy union of its device.
+    fn busy(&mut self, device: u32, start_ns: u64, end_ns: u64) {
+        let at = match self.busy_until.iter().position(|(d, _)| *d == device) {
+            Some(i) => i,
+            None if self.busy_until.len() < MAX_DEVICES => {
+                self.busy_until.push((device, 0));
+                self.busy_until.len() - 1
+            }
+            None => return,
+        };
+        let until = &mut self.busy_until[at].1;
+        let from = start_ns.max(*until);
+        if end_ns > from {
+            self.busy_ns = self.busy_ns.saturating_add(end_ns - from);
+        }
+        *until = (*until).max(end_ns);
+    }
+
     /// Kernels by GPU time, most first.
     pub fn top_kernels(&self, n: usize) -> Vec<(&str, u64, u64)> {
         let mut v: Vec<(&str, u64, u64)> = self.by_kernel.iter().map(|(k, (c, ns))| (&**k, *c, *ns)).collect();
@@ -646,6 +671,7 @@ impl GpuState {
     ) {
         let s = &mut self.stats;
         let dur = rec.end_ns.saturating_sub(rec.start_ns);
+        s.busy(rec.device, rec.start_ns, rec.end_ns);
         if s.first_gpu_ns == 0 || rec.start_ns < s.first_gpu_ns {
             s.first_gpu_ns = rec.start_ns;
         }
@@ -1020,5 +1046,16 @@ mod tests {
         let s = g.record(1, [0; 16], &st, &mut out, &mut c.pool()).expect("changed");
         assert_eq!((s.state, s.cupti_result), (Some(CuptiState::Busy), 39));
         assert_eq!(g.record(1, [0; 16], &st, &mut out, &mut c.pool()), None);
+    }
+
+    #[test]
+    fn busy_time_is_the_union_of_a_devices_intervals() {
+        let mut s = GpuStats::default();
+        s.busy(0, 100, 200);
+        s.busy(0, 150, 250); // overlaps: 50 more
+        s.busy(0, 300, 400);
+        s.busy(1, 100, 200); // another device: its own union
+        s.busy(0, 120, 180); // inside what is counted: nothing
+        assert_eq!(s.busy_ns, 100 + 50 + 100 + 100);
     }
 }
