@@ -18,6 +18,7 @@ use anyhow::{Context, Result, anyhow};
 use aya::maps::{MapData, RingBuf};
 
 use crate::{
+    analyze::window::ProcessVerdict,
     clock::monotonic_ns,
     correlate::{Correlator, CuptiChange, cupti_join::GpuActivity},
     decode::{Body, Event, decode},
@@ -35,6 +36,8 @@ const MEMORY_INTERVAL_NS: u64 = 1_000_000_000;
 const PUBLISH_INTERVAL_NS: u64 = crate::snapshot::INTERVAL.as_nanos() as u64;
 /// Records decoded before they are correlated and written together.
 pub const BATCH: usize = 4096;
+/// Records drained before the timers run again (~20 ms of decoding at the baseline's rate).
+const DRAIN_MAX: usize = 16 * BATCH;
 
 /// What a finished pipeline gives back: its sinks (for the summary) and the last snapshot.
 pub type Finished = (Vec<Box<dyn Sink>>, Arc<Snapshot>);
@@ -45,6 +48,8 @@ pub enum Request {
     DumpLeaks(tokio::sync::oneshot::Sender<Arc<Snapshot>>),
     /// The latest drops and attach counts, for the next snapshots.
     Agent(AgentStats),
+    /// Verdicts to write (the main task judges windows from the snapshots).
+    Verdicts(u64, Vec<ProcessVerdict>),
     /// Drain what is left, publish the last snapshot, and give the sinks back.
     Stop,
 }
@@ -247,6 +252,14 @@ impl Pipeline {
         match r {
             Request::Stop => return Ok(true),
             Request::Agent(a) => self.agent = Arc::new(a),
+            Request::Verdicts(ts_ns, vs) => {
+                for s in &mut self.sinks {
+                    for v in &vs {
+                        s.verdict(ts_ns, v)
+                            .with_context(|| format!("writing {} failed", s.describe()))?;
+                    }
+                }
+            }
             Request::DumpLeaks(reply) => {
                 let now = monotonic_ns();
                 self.end_batch()?;
@@ -427,11 +440,17 @@ fn run(
             // SAFETY: one valid pollfd for the duration of the call.
             unsafe { libc::poll(&mut pfd, 1, POLL_INTERVAL.as_millis() as i32) };
         }
-        while let Some(item) = ring.next() {
+        // At most DRAIN_MAX records before the timers: a ring that never empties (a sustained
+        // burst) must not hold back flushes, memory lines and snapshots.
+        let mut drained = 0;
+        while drained < DRAIN_MAX
+            && let Some(item) = ring.next()
+        {
             if let Some(r) = recording.as_mut() {
                 r.record(&item);
             }
             pipe.record(&item)?;
+            drained += 1;
         }
         pipe.end_batch()?;
         if stopping {

@@ -151,6 +151,19 @@ impl ProcInfo {
         out
     }
 
+    /// CPU time (user + system) of one thread of a process, in ns, from
+    /// `/proc/PID/task/TID/stat` (fields 14 and 15, in clock ticks).
+    pub fn thread_cpu_ns(&self, pid: u32, tid: u32) -> Option<u64> {
+        let (stat, _) = read_bounded(&self.root.join(format!("{pid}/task/{tid}/stat")), MAX_STAT)?;
+        cpu_ns_of_stat(&String::from_utf8_lossy(&stat))
+    }
+
+    /// CPU time of the whole process (all its threads, live and exited), in ns.
+    pub fn process_cpu_ns(&self, pid: u32) -> Option<u64> {
+        let (stat, _) = read_bounded(&self.path(pid, "stat"), MAX_STAT)?;
+        cpu_ns_of_stat(&String::from_utf8_lossy(&stat))
+    }
+
     /// The host's name (UTS namespace of the agent).
     pub fn hostname(&self) -> String {
         read_bounded(&self.root.join("sys/kernel/hostname"), 256)
@@ -172,6 +185,19 @@ impl ProcInfo {
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
         pages.saturating_mul(u64::try_from(page).unwrap_or(4096))
     }
+}
+
+/// utime + stime of a `stat` line, in ns: the 12th and 13th fields after the command name
+/// (which may hold spaces and parentheses, so fields are counted after the last `)`).
+fn cpu_ns_of_stat(stat: &str) -> Option<u64> {
+    let mut f = stat[stat.rfind(')')? + 1..].split_whitespace().skip(11);
+    let utime: u64 = f.next()?.parse().ok()?;
+    let stime: u64 = f.next()?.parse().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) })
+        .unwrap_or(100)
+        .max(1);
+    Some((utime + stime).saturating_mul(1_000_000_000 / hz))
 }
 
 /// Up to `max` bytes of a file; `true` when it had more.
@@ -329,6 +355,18 @@ mod tests {
         assert_eq!(d, [(11, 10), (12, 10), (13, 11)]);
         assert!(info.descendants(13).is_empty());
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn cpu_time_is_utime_plus_stime_after_the_command_name() {
+        // pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
+        let stat = "42 (a) b) R 1 42 42 0 -1 0 0 0 0 0 250 50 0 0";
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+        assert_eq!(cpu_ns_of_stat(stat), Some(300 * (1_000_000_000 / hz)));
+        let me = std::process::id();
+        assert!(ProcInfo::host().process_cpu_ns(me).is_some());
+        assert!(ProcInfo::host().thread_cpu_ns(me, me).is_some());
     }
 
     #[test]

@@ -2,3 +2,4 @@
 //! Reads snapshots only (docs/DESIGN.md, "Verdicts").
 
 pub mod verdict;
+pub mod window;

@@ -165,6 +165,55 @@ pub struct Verdict {
     pub evidence: Evidence,
 }
 
+impl Verdict {
+    /// One line for a person: the class, the numbers that decided it, what to try.
+    pub fn describe(&self) -> String {
+        let e = &self.evidence;
+        let mut parts = Vec::new();
+        match e.gpu_busy() {
+            Some(b) => parts.push(format!("GPU busy {:.1}%", b * 100.0)),
+            None => parts.push("GPU busy unknown (no CUPTI)".to_string()),
+        }
+        if e.launches > 0 {
+            parts.push(format!("{:.0} launches/s", e.per_s(e.launches)));
+        }
+        if let (Some(k), Some(i)) = (e.mean_kernel_ns(), e.mean_launch_interval_ns()) {
+            parts.push(format!(
+                "kernels {:.1} µs vs {:.1} µs between launches",
+                k / 1e3,
+                i / 1e3
+            ));
+        }
+        if e.launch_thread_cpu_ns > 0 {
+            parts.push(format!(
+                "launching thread {:.0}% CPU",
+                e.frac(e.launch_thread_cpu_ns) * 100.0
+            ));
+        }
+        if e.syncs > 0 {
+            parts.push(format!(
+                "{:.0} syncs/s, {:.0}% blocked",
+                e.per_s(e.syncs),
+                e.frac(e.sync_ns) * 100.0
+            ));
+        }
+        if e.copy_ns > 0 {
+            parts.push(format!("copies {:.0}%", e.frac(e.copy_ns) * 100.0));
+        }
+        let second = self
+            .secondary
+            .map(|s| format!(" (then {})", s.name()))
+            .unwrap_or_default();
+        format!(
+            "{}{second} over {:.1} s: {} — {}",
+            self.class.name(),
+            e.window_ns as f64 / 1e9,
+            parts.join(", "),
+            self.class.hint()
+        )
+    }
+}
+
 /// Classifies one window.
 pub fn classify(e: &Evidence) -> Verdict {
     if e.calls == 0 {

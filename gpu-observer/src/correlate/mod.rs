@@ -30,6 +30,8 @@ const MAX_LIVE_ALLOCS: usize = 1 << 20;
 const MAX_NAMES: usize = 1 << 20;
 /// Distinct streams (and events, contexts) with their own sync counters per process.
 const MAX_SYNC_HANDLES: usize = 256;
+/// Threads whose launches are counted per process.
+const MAX_LAUNCH_THREADS: usize = 64;
 /// Distinct ioctl commands counted per process.
 const MAX_IOCTL_CMDS: usize = 256;
 /// Exited processes whose counters are kept for the final summary (at most; see [`Budget`]).
@@ -217,6 +219,9 @@ struct Alloc {
 pub struct Stats {
     pub events: u64,
     pub launches: u64,
+    /// Launches per thread (at most [`MAX_LAUNCH_THREADS`]; later threads are not listed):
+    /// which threads issue the work, for the verdict's launching-thread CPU time.
+    pub launch_tids: BTreeMap<u32, u64>,
     pub launch_apis: BTreeMap<&'static str, u64>,
     /// Kernel launches whose handle was named (graph launches are neither named nor unresolved).
     pub named_launches: u64,
@@ -598,6 +603,9 @@ impl Correlator {
             Body::Launch(l) => {
                 let s = &mut p.stats;
                 s.launches += 1;
+                if s.launch_tids.len() < MAX_LAUNCH_THREADS || s.launch_tids.contains_key(&ev.tid) {
+                    *s.launch_tids.entry(ev.tid).or_default() += 1;
+                }
                 let spec = api.map(|a| (a.name, a.family));
                 *s.launch_apis.entry(spec.map_or("?", |a| a.0)).or_default() += 1;
                 if spec.is_some_and(|a| a.1 != Family::GraphLaunch) {

@@ -11,6 +11,7 @@
 use anyhow::Result;
 
 use crate::{
+    analyze::window::ProcessVerdict,
     attach::Drops,
     correlate::{CuptiChange, Leak, MemorySample, cupti_join::GpuActivity},
     decode::Event,
@@ -36,6 +37,8 @@ pub struct Summary<'a> {
     pub unattributed_drops: u64,
     /// What other parts of the agent report in the total, by key (`otlp`, `libraries`).
     pub agent: &'a [(&'a str, serde_json::Value)],
+    /// Each process's verdict over the whole run.
+    pub verdicts: &'a std::collections::HashMap<u32, crate::analyze::verdict::Verdict>,
 }
 
 pub trait Sink: Send {
@@ -59,6 +62,11 @@ pub trait Sink: Send {
     }
 
     fn leaks(&mut self, _report: &LeakReport<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    /// A process's bottleneck verdict over its last window.
+    fn verdict(&mut self, _ts_ns: u64, _v: &ProcessVerdict) -> Result<()> {
         Ok(())
     }
 

@@ -6,6 +6,7 @@ use gpu_observer_common::{api::Direction, cupti::CuptiState};
 
 use super::text::{Printable, printable};
 use crate::{
+    analyze::{verdict::Verdict, window::ProcessVerdict},
     attach::Drops,
     correlate::Stats,
     nvml::{ProcUse, State, View},
@@ -40,7 +41,14 @@ fn human_bytes(b: u64) -> String {
 impl LiveView {
     /// Renders the table: rates over the time between this snapshot and the previous one's
     /// (`interval_s` for the first).
-    pub fn render(&mut self, snap: &Snapshot, drops: &Drops, mut interval_s: f64, elapsed_s: f64) -> String {
+    pub fn render(
+        &mut self,
+        snap: &Snapshot,
+        drops: &Drops,
+        verdicts: &HashMap<u32, ProcessVerdict>,
+        mut interval_s: f64,
+        elapsed_s: f64,
+    ) -> String {
         if self.prev_taken_ns != 0 && snap.taken_ns > self.prev_taken_ns {
             interval_s = (snap.taken_ns - self.prev_taken_ns) as f64 / 1e9;
         }
@@ -103,6 +111,9 @@ impl LiveView {
                 (now.ioctls.ns - before.ioctls.ns) as f64 / 1e6
             );
             next.insert(p.pid, p.clone());
+            if let Some(v) = verdicts.get(&p.pid) {
+                let _ = writeln!(out, "{:>8} {:<16} {}", "", "", printable(&v.verdict.describe()));
+            }
             if let Some(u) = gpus.procs.get(&p.pid) {
                 let _ = writeln!(out, "{:>8} {:<16} NVML: {}", "", "", process_use(u, true));
             }
@@ -309,7 +320,7 @@ pub fn leak_report(snap: &Snapshot) -> String {
 }
 
 /// The summary printed at exit.
-pub fn final_summary(snap: &Snapshot, drops: &Drops, wall_ns: u64) -> String {
+pub fn final_summary(snap: &Snapshot, drops: &Drops, wall_ns: u64, verdicts: &HashMap<u32, Verdict>) -> String {
     let gpus = &*snap.nvml;
     let mut out = String::new();
     let wall_s = wall_ns as f64 / 1e9;
@@ -461,6 +472,9 @@ pub fn final_summary(snap: &Snapshot, drops: &Drops, wall_ns: u64) -> String {
         }
         if s.failed_calls > 0 {
             let _ = writeln!(out, "  failed calls  {:>10}", s.failed_calls);
+        }
+        if let Some(v) = verdicts.get(&p.pid) {
+            let _ = writeln!(out, "  verdict       {}", printable(&v.describe()));
         }
         if let Some(u) = gpus.procs.get(&p.pid) {
             let _ = writeln!(out, "  NVML          {}", process_use(u, false));

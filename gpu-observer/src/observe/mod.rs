@@ -61,6 +61,11 @@ struct Run {
     root_gone: Option<String>,
     told_descendants: bool,
     last_follow_missed: u64,
+    /// Verdict windows, and the latest verdict of each process.
+    tracker: crate::analyze::window::Tracker,
+    verdicts: std::collections::HashMap<u32, crate::analyze::window::ProcessVerdict>,
+    /// When each process's verdict was last written (a line per window, or on a new class).
+    verdict_written: std::collections::HashMap<u32, (u64, crate::analyze::verdict::Class)>,
 }
 
 /// Why watching ended.

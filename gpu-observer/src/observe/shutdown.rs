@@ -56,6 +56,7 @@ pub(super) async fn shutdown(mut run: Run, end: End) -> Result<i32> {
         dest,
         started,
         reader,
+        tracker,
         ..
     } = run;
     let (mut sinks, snap) = match reader.stop() {
@@ -92,12 +93,25 @@ pub(super) async fn shutdown(mut run: Run, end: End) -> Result<i32> {
         .filter(|(pid, _)| snap.process(**pid).is_none())
         .map(|(_, n)| n)
         .sum();
-    let text = format!("{}{}\n", terminal::final_summary(&snap, &drops, wall_ns), at.stats());
     let agent = [
         ("otlp", exported.unwrap_or(serde_json::Value::Null)),
         ("libraries", at.stats().json()),
     ];
+    // The whole run's verdicts, from the last snapshot.
+    let mut tracker = tracker;
+    tracker.last_tick(&snap, &crate::procinfo::ProcInfo::host());
+    let verdicts: std::collections::HashMap<u32, crate::analyze::verdict::Verdict> = snap
+        .procs
+        .iter()
+        .filter_map(|p| tracker.whole_run(p.pid).map(|v| (p.pid, v)))
+        .collect();
+    let text = format!(
+        "{}{}\n",
+        terminal::final_summary(&snap, &drops, wall_ns, &verdicts),
+        at.stats()
+    );
     let summary = Summary {
+        verdicts: &verdicts,
         snapshot: &snap,
         drops: &drops,
         wall_ns,

@@ -188,6 +188,9 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
         root_gone: None,
         told_descendants: false,
         last_follow_missed: 0,
+        tracker: Default::default(),
+        verdicts: Default::default(),
+        verdict_written: Default::default(),
     })
 }
 

@@ -62,12 +62,36 @@ impl Run {
             drops: drops.clone(),
             attach_failures: self.at.stats().refused_total(),
         }));
+        // Verdicts over the last window: shown live; written once a window, or when the class
+        // changes.
+        let snap = self.snapshots.load();
+        let now = self.tracker.tick(&snap, &crate::procinfo::ProcInfo::host());
+        let mut write = Vec::new();
+        for v in now {
+            let due = self.verdict_written.get(&v.pid).is_none_or(|(at, class)| {
+                *class != v.verdict.class || snap.taken_ns.saturating_sub(*at) >= crate::analyze::window::WINDOW_NS
+            });
+            if due {
+                self.verdict_written.insert(v.pid, (snap.taken_ns, v.verdict.class));
+                write.push(v.clone());
+            }
+            self.verdicts.insert(v.pid, v);
+        }
+        self.verdicts
+            .retain(|pid, _| snap.process(*pid).is_some_and(|p| !p.exited));
+        self.verdict_written.retain(|pid, _| snap.process(*pid).is_some());
+        if !write.is_empty() {
+            self.reader.ask(Request::Verdicts(snap.taken_ns, write));
+        }
         if self.live {
-            let snap = self.snapshots.load();
             let interval_s = self.cli.interval_ms as f64 / 1000.0;
-            let text = self
-                .view
-                .render(&snap, &drops, interval_s, self.started.elapsed().as_secs_f64());
+            let text = self.view.render(
+                &snap,
+                &drops,
+                &self.verdicts,
+                interval_s,
+                self.started.elapsed().as_secs_f64(),
+            );
             let mut so = std::io::stdout().lock();
             if let Err(e) = write!(so, "\x1b[H\x1b[2J{text}").and_then(|()| so.flush()) {
                 end.output_failed = true;

@@ -11,6 +11,7 @@ use std::io::{self, Write};
 use gpu_observer_common::api::{Direction, Family};
 
 use crate::{
+    analyze::{verdict::Verdict, window::ProcessVerdict},
     correlate::{CuptiChange, Leak, MemorySample, SyncTarget, cupti_join::GpuActivity},
     decode::{Body, Call, Event, HostMemory},
     export::{LeakReport, Sink, Summary},
@@ -60,6 +61,38 @@ impl<T: std::fmt::Display> std::fmt::Display for OptNum<T> {
             Some(v) => write!(f, "{v}"),
             None => f.write_str("null"),
         }
+    }
+}
+
+/// `,"class":…,"secondary":…,"window_ns":…,"evidence":{…},"hint":…` of a verdict.
+fn verdict_fields<W: Write>(o: &mut W, v: &Verdict) -> io::Result<()> {
+    let e = &v.evidence;
+    write!(o, ",\"class\":\"{}\"", v.class.name())?;
+    opt_str(o, "secondary", v.secondary.map(|c| c.name()))?;
+    write!(
+        o,
+        ",\"window_ns\":{},\"evidence\":{{\"gpu_busy\":{},\"calls\":{},\"launches_per_s\":{:.1},\"mean_kernel_ns\":{},\"mean_launch_interval_ns\":{},\"launch_thread_cpu\":{:.4},\"process_cpu\":{:.4},\"syncs_per_s\":{:.1},\"sync_blocked\":{:.4},\"copy_fraction\":{:.4}}}",
+        e.window_ns,
+        OptNum(e.gpu_busy().map(Fixed4)),
+        e.calls,
+        e.per_s(e.launches),
+        OptNum(e.mean_kernel_ns().map(|n| n.round() as u64)),
+        OptNum(e.mean_launch_interval_ns().map(|n| n.round() as u64)),
+        e.launch_thread_cpu_ns as f64 / e.window_ns.max(1) as f64,
+        e.process_cpu_ns as f64 / e.window_ns.max(1) as f64,
+        e.per_s(e.syncs),
+        e.sync_ns as f64 / e.window_ns.max(1) as f64,
+        e.copy_ns as f64 / e.window_ns.max(1) as f64,
+    )?;
+    opt_str(o, "hint", Some(v.class.hint()))
+}
+
+/// A fraction with four decimals.
+struct Fixed4(f64);
+
+impl std::fmt::Display for Fixed4 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:.4}", self.0)
     }
 }
 
@@ -303,6 +336,13 @@ impl<W: Write> JsonlWriter<W> {
         )
     }
 
+    /// A `verdict` line: the class of a process's last window and the numbers behind it.
+    pub fn verdict(&mut self, ts_ns: u64, pv: &ProcessVerdict) -> io::Result<()> {
+        self.head("verdict", ts_ns, pv.pid, pv.pid, &pv.comm)?;
+        verdict_fields(&mut self.out, &pv.verdict)?;
+        self.out.write_all(b"}\n")
+    }
+
     /// Allocations a process has not freed: at its exit, or on demand (SIGUSR1).
     pub fn leaks(&mut self, r: &LeakReport<'_>) -> io::Result<()> {
         for l in r.leaks {
@@ -330,6 +370,7 @@ impl<W: Write> JsonlWriter<W> {
                 p,
                 gpus.procs.get(&p.pid),
                 drops.by_pid.get(&p.pid).copied().unwrap_or(0),
+                sum.verdicts.get(&p.pid),
             )?;
         }
         self.nvml_devices(gpus)?;
@@ -376,7 +417,13 @@ impl<W: Write> JsonlWriter<W> {
         self.out.flush()
     }
 
-    fn process_summary(&mut self, p: &ProcessView, nvml: Option<&ProcUse>, dropped: u64) -> io::Result<()> {
+    fn process_summary(
+        &mut self,
+        p: &ProcessView,
+        nvml: Option<&ProcUse>,
+        dropped: u64,
+        verdict: Option<&Verdict>,
+    ) -> io::Result<()> {
         let s = &p.stats;
         let o = &mut self.out;
         write!(
@@ -505,6 +552,18 @@ impl<W: Write> JsonlWriter<W> {
         counts(o, s.call_apis.iter())?;
         self.gpu_summary(p.gpu.as_ref())?;
         self.nvml_process(nvml)?;
+        // The whole run's verdict (null: the process was not seen at two ticks).
+        match verdict {
+            Some(v) => {
+                self.out.write_all(b",\"verdict\":{")?;
+                let mut fields = Vec::new();
+                verdict_fields(&mut fields, v)?;
+                // verdict_fields writes a leading comma.
+                self.out.write_all(&fields[1..])?;
+                self.out.write_all(b"}")?;
+            }
+            None => self.out.write_all(b",\"verdict\":null")?,
+        }
         self.out.write_all(b"}\n")
     }
 }
@@ -539,6 +598,10 @@ impl<W: Write + Send> Sink for JsonlSink<W> {
 
     fn leaks(&mut self, r: &LeakReport<'_>) -> anyhow::Result<()> {
         Ok(self.writer.leaks(r)?)
+    }
+
+    fn verdict(&mut self, ts_ns: u64, v: &ProcessVerdict) -> anyhow::Result<()> {
+        Ok(self.writer.verdict(ts_ns, v)?)
     }
 
     fn wants_nvml(&self) -> bool {

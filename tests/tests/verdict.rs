@@ -1,0 +1,84 @@
+//! The bottleneck verdict end to end: a process that launches tiny kernels as fast as one
+//! thread can, under `run` with the fake CUPTI, is judged `launch_bound` — in `verdict` lines
+//! and in its summary — with the numbers that decided it.
+
+use std::{
+    io::{BufRead, BufReader, Write},
+    process::{Command, Stdio},
+};
+
+use gpu_observer_tests::*;
+use serde_json::Value;
+
+#[test]
+fn a_tight_launch_loop_of_tiny_kernels_is_launch_bound() {
+    let _g = serial();
+    require_root();
+    let dir = scratch("verdict-launch");
+    let lib = fresh_lib(&dir, "libcuda.so.1");
+    let out = dir.join("out.jsonl");
+    let mut child = Command::new(observer_bin())
+        .args(["--format", "jsonl", "--interval-ms", "100", "--no-nvml", "--output"])
+        .arg(&out)
+        .arg("--libcuda")
+        .arg(&lib)
+        .arg("run")
+        .arg("--")
+        .arg(fixtures().join("cuda_workload"))
+        .env("GPU_OBSERVER_CUPTI_PATH", fixtures().join("libcupti.so.13"))
+        .env("GPU_OBSERVER_CUPTI_FLUSH_MS", "50")
+        // 50 µs of CPU a launch: ~20 000 launches/s from one saturated thread.
+        .env("FAKE_CUDA_LAUNCH_SPIN_NS", "50000")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = collect_lines(child.stderr.take().unwrap());
+    let mut stdin = child.stdin.take().unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut cmd = |line: &str| {
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+        let mut reply = String::new();
+        stdout.read_line(&mut reply).unwrap();
+        reply
+    };
+    let pid: u32 = cmd("").trim().strip_prefix("ready ").unwrap().parse().unwrap();
+    assert!(cmd(&format!("load {}", lib.display())).starts_with("ok"));
+    assert!(cmd("init").starts_with("ok"));
+    // ~1 µs kernels (the fake CUPTI's: 1 µs per grid block), as fast as one thread launches
+    // them (50 µs of CPU each): ~5 s, many ticks.
+    assert!(cmd("burst 100000").starts_with("ok"));
+    cmd("exit");
+    let status = child.wait().unwrap();
+    let err = stderr.lock().unwrap().join("\n");
+    assert!(status.success(), "{status}: {err}");
+    let lines: Vec<Value> = std::fs::read_to_string(&out)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let verdicts: Vec<&Value> = lines
+        .iter()
+        .filter(|l| l["type"] == "verdict" && l["pid"] == pid)
+        .collect();
+    assert!(!verdicts.is_empty(), "no verdict line; stderr:\n{err}");
+    let launch_bound: Vec<&&Value> = verdicts.iter().filter(|v| v["class"] == "launch_bound").collect();
+    assert!(!launch_bound.is_empty(), "verdicts: {verdicts:?}");
+    for v in launch_bound {
+        let e = &v["evidence"];
+        assert!(e["gpu_busy"].as_f64().unwrap() < 0.5, "{v}");
+        assert!(e["launch_thread_cpu"].as_f64().unwrap() >= 0.8, "{v}");
+        assert!(
+            e["mean_kernel_ns"].as_u64().unwrap() < e["mean_launch_interval_ns"].as_u64().unwrap(),
+            "{v}"
+        );
+        assert!(v["hint"].as_str().unwrap().contains("CUDA graphs"), "{v}");
+    }
+    let summary = lines
+        .iter()
+        .find(|l| l["type"] == "summary" && l["scope"] == "process" && l["pid"] == pid)
+        .unwrap();
+    assert_eq!(summary["verdict"]["class"], "launch_bound", "{}", summary["verdict"]);
+}
