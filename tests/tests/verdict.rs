@@ -82,3 +82,50 @@ fn a_tight_launch_loop_of_tiny_kernels_is_launch_bound() {
         .unwrap();
     assert_eq!(summary["verdict"]["class"], "launch_bound", "{}", summary["verdict"]);
 }
+
+#[test]
+fn without_cupti_nvml_says_how_busy_the_gpu_is_and_a_busy_gpu_is_gpu_bound() {
+    let _g = serial();
+    require_root();
+    let dir = scratch("verdict-nvml");
+    let lib = fresh_lib(&dir, "libcuda.so.1");
+    let mut w = Workload::start_with_env(&[("FAKE_CUDA_LAUNCH_SPIN_NS", "50000")]);
+    w.cmd(&format!("load {}", lib.display()));
+    w.cmd("init");
+    // The fake NVML says the process keeps the SMs 90 % busy.
+    let procs = dir.join("procs.txt");
+    std::fs::write(&procs, format!("{} 0 1048576 90\n", w.pid)).unwrap();
+    let agent = Agent::start_with_env(
+        &dir,
+        &[
+            "--pid",
+            &w.pid.to_string(),
+            "--interval-ms",
+            "100",
+            "--nvml-lib",
+            fixtures().join("nvml/libnvidia-ml.so.1").to_str().unwrap(),
+            "--nvml-interval-ms",
+            "50",
+        ],
+        &[("FAKE_NVML_PROCS", procs.to_str().unwrap())],
+    );
+    agent.wait_stderr("attached", std::time::Duration::from_secs(10));
+    assert!(w.cmd("burst 60000").starts_with("ok"));
+    let pid = w.pid;
+    w.exit();
+    let cap = agent.finish();
+    let verdicts: Vec<&Value> = cap
+        .of_type("verdict")
+        .filter(|v| v["pid"] == pid && v["evidence"]["gpu_busy_source"] == "nvml")
+        .collect();
+    assert!(
+        !verdicts.is_empty(),
+        "no NVML-based verdict: {:?}",
+        cap.of_type("verdict").collect::<Vec<_>>()
+    );
+    for v in &verdicts {
+        assert_eq!(v["class"], "gpu_bound", "{v}");
+        let busy = v["evidence"]["gpu_busy"].as_f64().unwrap();
+        assert!((busy - 0.9).abs() < 0.01, "{v}");
+    }
+}

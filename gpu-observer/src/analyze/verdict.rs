@@ -53,6 +53,28 @@ impl Class {
     }
 }
 
+/// Where the GPU busy time comes from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BusySource {
+    /// Not known (no CUPTI, no NVML sample of the process in the window).
+    #[default]
+    None,
+    /// CUPTI: the union of the process's kernel, copy and memset intervals (exact).
+    Cupti,
+    /// NVML: the mean of the process's SM utilization samples (NVML's own sampling).
+    Nvml,
+}
+
+impl BusySource {
+    pub const fn name(self) -> Option<&'static str> {
+        match self {
+            BusySource::None => None,
+            BusySource::Cupti => Some("cupti"),
+            BusySource::Nvml => Some("nvml"),
+        }
+    }
+}
+
 /// What a process did in one window. Fractions are of the window's wall time.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Evidence {
@@ -60,8 +82,9 @@ pub struct Evidence {
     /// CUDA calls of any kind (launches included).
     pub calls: u64,
     pub launches: u64,
-    /// Time the process's work ran on its GPUs (the union of its intervals), when known.
+    /// Time the process's work ran on its GPUs, when known, and from where.
     pub gpu_busy_ns: Option<u64>,
+    pub busy_source: BusySource,
     /// Kernels that ran, and their summed GPU time (for the mean kernel time).
     pub kernels: u64,
     pub kernel_ns: u64,
@@ -170,9 +193,9 @@ impl Verdict {
     pub fn describe(&self) -> String {
         let e = &self.evidence;
         let mut parts = Vec::new();
-        match e.gpu_busy() {
-            Some(b) => parts.push(format!("GPU busy {:.1}%", b * 100.0)),
-            None => parts.push("GPU busy unknown (no CUPTI)".to_string()),
+        match (e.gpu_busy(), e.busy_source.name()) {
+            (Some(b), Some(from)) => parts.push(format!("GPU busy {:.1}% ({from})", b * 100.0)),
+            _ => parts.push("GPU busy unknown (neither CUPTI nor an NVML sample)".to_string()),
         }
         if e.launches > 0 {
             parts.push(format!("{:.0} launches/s", e.per_s(e.launches)));

@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use super::verdict::{Evidence, Verdict, classify};
+use super::verdict::{BusySource, Evidence, Verdict, classify};
 use crate::{procinfo::ProcInfo, snapshot::Snapshot};
 
 /// The sliding window a verdict covers (a shorter one until that much has been seen).
@@ -25,6 +25,8 @@ struct Sample {
     kernels: u64,
     kernel_ns: u64,
     busy_ns: Option<u64>,
+    /// NVML's SM utilization samples of the process so far: (sum of percents, samples).
+    nvml_sm: Option<(u64, u64)>,
     syncs: u64,
     sync_ns: u64,
     copy_ns: u64,
@@ -44,11 +46,28 @@ fn between(a: &Sample, b: &Sample) -> Evidence {
         })
         .max()
         .unwrap_or(0);
+    let window_ns = b.at_ns.saturating_sub(a.at_ns);
+    // CUPTI's exact busy time when the process has it; else the mean of NVML's samples.
+    let (gpu_busy_ns, busy_source) = match (b.busy_ns, b.nvml_sm) {
+        (Some(n), _) => (Some(n.saturating_sub(a.busy_ns.unwrap_or(0))), BusySource::Cupti),
+        (None, Some((sum, n))) => {
+            let (sum0, n0) = a.nvml_sm.unwrap_or((0, 0));
+            match n.checked_sub(n0).filter(|d| *d > 0) {
+                Some(samples) => {
+                    let pct = sum.saturating_sub(sum0) as f64 / samples as f64;
+                    (Some((pct / 100.0 * window_ns as f64) as u64), BusySource::Nvml)
+                }
+                None => (None, BusySource::None),
+            }
+        }
+        (None, None) => (None, BusySource::None),
+    };
     Evidence {
-        window_ns: b.at_ns.saturating_sub(a.at_ns),
+        window_ns,
+        busy_source,
         calls: b.calls.saturating_sub(a.calls),
         launches: b.launches.saturating_sub(a.launches),
-        gpu_busy_ns: b.busy_ns.map(|n| n.saturating_sub(a.busy_ns.unwrap_or(0))),
+        gpu_busy_ns,
         kernels: b.kernels.saturating_sub(a.kernels),
         kernel_ns: b.kernel_ns.saturating_sub(a.kernel_ns),
         launch_thread_cpu_ns,
@@ -123,6 +142,7 @@ impl Tracker {
                 kernels: p.gpu.as_ref().map_or(0, |g| g.stats.kernels),
                 kernel_ns: p.gpu.as_ref().map_or(0, |g| g.stats.kernel_ns),
                 busy_ns: p.gpu.as_ref().map(|g| g.stats.busy_ns),
+                nvml_sm: snap.nvml.procs.get(&p.pid).map(|u| (u.sm_util_sum, u.sm_util_samples)),
                 syncs: s.syncs.count,
                 sync_ns: s.syncs.ns,
                 copy_ns: s.copies.iter().map(|a| a.ns).sum(),

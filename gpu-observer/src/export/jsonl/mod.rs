@@ -71,9 +71,10 @@ fn verdict_fields<W: Write>(o: &mut W, v: &Verdict) -> io::Result<()> {
     opt_str(o, "secondary", v.secondary.map(|c| c.name()))?;
     write!(
         o,
-        ",\"window_ns\":{},\"evidence\":{{\"gpu_busy\":{},\"calls\":{},\"launches_per_s\":{:.1},\"mean_kernel_ns\":{},\"mean_launch_interval_ns\":{},\"launch_thread_cpu\":{:.4},\"process_cpu\":{:.4},\"syncs_per_s\":{:.1},\"sync_blocked\":{:.4},\"copy_fraction\":{:.4}}}",
+        ",\"window_ns\":{},\"evidence\":{{\"gpu_busy\":{},\"gpu_busy_source\":{},\"calls\":{},\"launches_per_s\":{:.1},\"mean_kernel_ns\":{},\"mean_launch_interval_ns\":{},\"launch_thread_cpu\":{:.4},\"process_cpu\":{:.4},\"syncs_per_s\":{:.1},\"sync_blocked\":{:.4},\"copy_fraction\":{:.4}}}",
         e.window_ns,
         OptNum(e.gpu_busy().map(Fixed4)),
+        OptNum(e.busy_source.name().map(|s| format!("\"{s}\""))),
         e.calls,
         e.per_s(e.launches),
         OptNum(e.mean_kernel_ns().map(|n| n.round() as u64)),
