@@ -39,6 +39,11 @@ pub const BATCH: usize = 4096;
 /// Records drained before the timers run again (~20 ms of decoding at the baseline's rate).
 const DRAIN_MAX: usize = 16 * BATCH;
 
+/// The context of a sink's error: which output failed.
+fn failed(s: &dyn Sink) -> String {
+    format!("writing {} failed", s.describe())
+}
+
 /// What a finished pipeline gives back: its sinks (for the summary) and the last snapshot.
 pub type Finished = (Vec<Box<dyn Sink>>, Arc<Snapshot>);
 
@@ -126,7 +131,6 @@ impl Pipeline {
         std::mem::swap(&mut self.changes, &mut corr.cupti_changes);
         let now = if self.exited.is_empty() { 0 } else { monotonic_ns() };
         for s in &mut self.sinks {
-            let describe = |s: &dyn Sink| format!("writing {} failed", s.describe());
             (|| -> Result<()> {
                 for c in &self.changes {
                     s.cupti_state(c)?;
@@ -151,7 +155,7 @@ impl Pipeline {
                 }
                 Ok(())
             })()
-            .with_context(|| describe(&**s))?;
+            .with_context(|| failed(&**s))?;
         }
         self.changes.clear();
         self.exited.clear();
@@ -176,7 +180,7 @@ impl Pipeline {
         self.nvml_lines()?;
         if stopping || now_ns.saturating_sub(self.last_flush) >= FLUSH_INTERVAL_NS {
             for s in &mut self.sinks {
-                s.flush().with_context(|| format!("writing {} failed", s.describe()))?;
+                s.flush().with_context(|| failed(&**s))?;
             }
             self.last_flush = now_ns;
         }
@@ -220,7 +224,7 @@ impl Pipeline {
                 }
                 Ok(())
             })()
-            .with_context(|| format!("writing {} failed", s.describe()))?;
+            .with_context(|| failed(&**s))?;
         }
         Ok(())
     }
@@ -235,7 +239,7 @@ impl Pipeline {
         for (line, comm) in lines {
             for s in &mut self.sinks {
                 s.nvml(&line, comm.as_deref(), &view.devices)
-                    .with_context(|| format!("writing {} failed", s.describe()))?;
+                    .with_context(|| failed(&**s))?;
             }
         }
         Ok(())
@@ -255,8 +259,7 @@ impl Pipeline {
             Request::Verdicts(ts_ns, vs) => {
                 for s in &mut self.sinks {
                     for v in &vs {
-                        s.verdict(ts_ns, v)
-                            .with_context(|| format!("writing {} failed", s.describe()))?;
+                        s.verdict(ts_ns, v).with_context(|| failed(&**s))?;
                     }
                 }
             }

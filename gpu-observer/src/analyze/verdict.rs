@@ -99,7 +99,8 @@ pub struct Evidence {
 }
 
 impl Evidence {
-    fn frac(&self, ns: u64) -> f64 {
+    /// `ns` as a fraction of the window.
+    pub fn frac(&self, ns: u64) -> f64 {
         ns as f64 / self.window_ns.max(1) as f64
     }
 

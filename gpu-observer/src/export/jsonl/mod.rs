@@ -64,46 +64,42 @@ impl<T: std::fmt::Display> std::fmt::Display for OptNum<T> {
     }
 }
 
-/// `,"class":…,"secondary":…,"window_ns":…,"evidence":{…},"hint":…` of a verdict.
+/// `"class":…,"secondary":…,"window_ns":…,"evidence":{…},"hint":…` of a verdict (the
+/// members of an object, without its braces).
 fn verdict_fields<W: Write>(o: &mut W, v: &Verdict) -> io::Result<()> {
     let e = &v.evidence;
-    write!(o, ",\"class\":\"{}\"", v.class.name())?;
+    write!(o, "\"class\":\"{}\"", v.class.name())?;
     opt_str(o, "secondary", v.secondary.map(|c| c.name()))?;
     write!(
         o,
-        ",\"window_ns\":{},\"evidence\":{{\"gpu_busy\":{},\"gpu_busy_source\":{},\"calls\":{},\"launches_per_s\":{:.1},\"mean_kernel_ns\":{},\"mean_launch_interval_ns\":{},\"launch_thread_cpu\":{:.4},\"process_cpu\":{:.4},\"syncs_per_s\":{:.1},\"sync_blocked\":{:.4},\"copy_fraction\":{:.4}}}",
+        ",\"window_ns\":{},\"evidence\":{{\"gpu_busy\":{}",
         e.window_ns,
-        OptNum(e.gpu_busy().map(Fixed4)),
-        OptNum(e.busy_source.name().map(|s| format!("\"{s}\""))),
+        OptNum(e.gpu_busy().map(|b| Decimals(b, 4)))
+    )?;
+    opt_str(o, "gpu_busy_source", e.busy_source.name())?;
+    write!(
+        o,
+        ",\"calls\":{},\"launches_per_s\":{:.1},\"mean_kernel_ns\":{},\"mean_launch_interval_ns\":{},\"launch_thread_cpu\":{:.4},\"process_cpu\":{:.4},\"syncs_per_s\":{:.1},\"sync_blocked\":{:.4},\"copy_fraction\":{:.4}}}",
         e.calls,
         e.per_s(e.launches),
         OptNum(e.mean_kernel_ns().map(|n| n.round() as u64)),
         OptNum(e.mean_launch_interval_ns().map(|n| n.round() as u64)),
-        e.launch_thread_cpu_ns as f64 / e.window_ns.max(1) as f64,
-        e.process_cpu_ns as f64 / e.window_ns.max(1) as f64,
+        e.frac(e.launch_thread_cpu_ns),
+        e.frac(e.process_cpu_ns),
         e.per_s(e.syncs),
-        e.sync_ns as f64 / e.window_ns.max(1) as f64,
-        e.copy_ns as f64 / e.window_ns.max(1) as f64,
+        e.frac(e.sync_ns),
+        e.frac(e.copy_ns),
     )?;
     opt_str(o, "hint", Some(v.class.hint()))
 }
 
-/// A fraction with four decimals.
-struct Fixed4(f64);
+/// A number with this many decimals, formatted as it is written (no string in between: the
+/// bandwidth is on every copy's line).
+struct Decimals(f64, usize);
 
-impl std::fmt::Display for Fixed4 {
+impl std::fmt::Display for Decimals {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:.4}", self.0)
-    }
-}
-
-/// A number with three decimals, formatted as it is written (no string in between: this is
-/// on every copy's line).
-struct Fixed3(f64);
-
-impl std::fmt::Display for Fixed3 {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:.3}", self.0)
+        write!(f, "{:.*}", self.1, self.0)
     }
 }
 
@@ -252,7 +248,7 @@ impl<W: Write> JsonlWriter<W> {
                     ",\"direction\":\"{}\",\"direction_inferred\":{},\"bytes\":{bytes},\"duration_ns\":{dur},\"bandwidth_mbps\":{},\"is_slow\":{slow},\"async\":{},\"stream\":{},\"dst\":{},\"src\":{}",
                     c.direction.name(),
                     c.direction_inferred,
-                    OptNum((!c.abandoned).then(|| Fixed3(bandwidth_mbps(bytes, c.duration_ns)))),
+                    OptNum((!c.abandoned).then(|| Decimals(bandwidth_mbps(bytes, c.duration_ns), 3))),
                     c.stream.is_some(),
                     OptHex(c.stream),
                     OptHex(c.dst),
@@ -340,6 +336,7 @@ impl<W: Write> JsonlWriter<W> {
     /// A `verdict` line: the class of a process's last window and the numbers behind it.
     pub fn verdict(&mut self, ts_ns: u64, pv: &ProcessVerdict) -> io::Result<()> {
         self.head("verdict", ts_ns, pv.pid, pv.pid, &pv.comm)?;
+        self.out.write_all(b",")?;
         verdict_fields(&mut self.out, &pv.verdict)?;
         self.out.write_all(b"}\n")
     }
@@ -557,10 +554,7 @@ impl<W: Write> JsonlWriter<W> {
         match verdict {
             Some(v) => {
                 self.out.write_all(b",\"verdict\":{")?;
-                let mut fields = Vec::new();
-                verdict_fields(&mut fields, v)?;
-                // verdict_fields writes a leading comma.
-                self.out.write_all(&fields[1..])?;
+                verdict_fields(&mut self.out, v)?;
                 self.out.write_all(b"}")?;
             }
             None => self.out.write_all(b",\"verdict\":null")?,
