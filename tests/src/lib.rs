@@ -390,3 +390,85 @@ pub fn assert_exact(expected: &[Value], captured: &Captured, pid: u32) {
     assert_eq!(want.len(), have.len());
     assert_eq!(exp.len(), got.len());
 }
+
+/// `gpu-observer --format jsonl --output DIR/out.jsonl ARGS run -- cuda_workload`: the
+/// scripted workload started by the observer, spoken to through the observer's stdin and
+/// stdout (the program inherits them).
+pub struct RunAgent {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+    stderr: Arc<Mutex<Vec<String>>>,
+    out: PathBuf,
+    /// The started program's pid (its `ready` line).
+    pub pid: u32,
+}
+
+impl RunAgent {
+    pub fn start(dir: &Path, args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> RunAgent {
+        let out = dir.join("out.jsonl");
+        let mut child = Command::new(observer_bin())
+            .args(["--format", "jsonl", "--output"])
+            .arg(&out)
+            .args(args)
+            .arg("run")
+            .arg("--")
+            .arg(fixtures().join("cuda_workload"))
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn gpu-observer run");
+        let stderr = collect_lines(child.stderr.take().unwrap());
+        let stdin = child.stdin.take();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        let pid = line
+            .trim()
+            .strip_prefix("ready ")
+            .unwrap_or_else(|| panic!("the started workload did not say `ready <pid>`: {line:?}"))
+            .parse()
+            .unwrap();
+        RunAgent {
+            child,
+            stdin,
+            stdout,
+            stderr,
+            out,
+            pid,
+        }
+    }
+
+    /// Sends one command to the started workload, returns its reply (panics on `err`).
+    pub fn cmd(&mut self, line: &str) -> String {
+        let stdin = self.stdin.as_mut().expect("workload stdin");
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+        let mut reply = String::new();
+        self.stdout.read_line(&mut reply).unwrap();
+        assert!(reply.starts_with("ok"), "{line} → {reply}");
+        reply.trim().to_string()
+    }
+
+    /// `exit` to the workload; waits for the observer, which ends with it; its output.
+    pub fn finish(mut self) -> Captured {
+        if let Some(mut stdin) = self.stdin.take() {
+            let _ = writeln!(stdin, "exit");
+        }
+        let status = self.child.wait().unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let stderr = self.stderr.lock().unwrap().clone();
+        assert!(status.success(), "{status}: {}", stderr.join("\n"));
+        Captured {
+            events: std::fs::read_to_string(&self.out)
+                .unwrap()
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect(),
+            stderr,
+            status,
+        }
+    }
+}

@@ -4,9 +4,8 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
-    io::{BufRead, BufReader, Write},
     path::{Path, PathBuf},
-    process::{Command, Stdio},
+    process::Command,
     time::{Duration, Instant},
 };
 
@@ -298,63 +297,30 @@ fn run_starts_the_program_with_the_injection_library_and_returns_its_status() {
     require_root();
     let dir = scratch("cupti-run");
     let lib = fresh_lib(&dir, "libcuda.so.1");
-    let out = dir.join("run.jsonl");
-    let mut child = Command::new(observer_bin())
-        .args(["--format", "jsonl", "--trace-all", "--interval-ms", "100", "--output"])
-        .arg(&out)
+    let mut r = RunAgent::start(
+        &dir,
         // A libcuda outside the usual driver paths: attached before the program starts.
-        .arg("--libcuda")
-        .arg(&lib)
-        .arg("run")
-        .arg("--")
-        .arg(fixtures().join("cuda_workload"))
-        .env("GPU_OBSERVER_CUPTI_PATH", fake_cupti())
-        .env("GPU_OBSERVER_CUPTI_FLUSH_MS", "50")
-        .env("FAKE_CUDA_SYNC_US", "0")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn gpu-observer run");
-    let mut stdin = child.stdin.take().unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    stdout.read_line(&mut line).unwrap();
-    let pid: u32 = line
-        .trim()
-        .strip_prefix("ready ")
-        .expect("workload ready")
-        .parse()
-        .unwrap();
+        &[
+            "--trace-all",
+            "--interval-ms",
+            "100",
+            "--libcuda",
+            lib.to_str().unwrap(),
+        ],
+        &[
+            ("GPU_OBSERVER_CUPTI_PATH", fake_cupti().as_os_str()),
+            ("GPU_OBSERVER_CUPTI_FLUSH_MS", "50".as_ref()),
+            ("FAKE_CUDA_SYNC_US", "0".as_ref()),
+        ],
+    );
+    let pid = r.pid;
     let exp = dir.join("expected.jsonl");
-    for cmd in [
-        format!("load {}", lib.display()),
-        "init".into(),
-        format!("run 1 2 {}", exp.display()),
-    ] {
-        writeln!(stdin, "{cmd}").unwrap();
-        stdin.flush().unwrap();
-        line.clear();
-        stdout.read_line(&mut line).unwrap();
-        assert!(line.starts_with("ok"), "{cmd} → {line}");
-    }
-    writeln!(stdin, "exit").unwrap();
-    drop(stdin);
-    let status = child.wait().unwrap();
-    let mut err = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
-    assert!(status.success(), "{status}: {err}");
+    r.cmd(&format!("load {}", lib.display()));
+    r.cmd("init");
+    r.cmd(&format!("run 1 2 {}", exp.display()));
+    let cap = r.finish();
+    let err = cap.stderr.join("\n");
     assert!(err.contains(&format!("started pid {pid}")), "{err}");
-    let events: Vec<Value> = std::fs::read_to_string(&out)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    let cap = Captured {
-        events,
-        stderr: err.lines().map(String::from).collect(),
-        status,
-    };
     assert!(!by_type(&cap, "gpu_kernel", pid).is_empty(), "{err}");
     assert_joined(&cap, pid);
     assert_eq!(cap.process_summary(pid)["cupti"]["state"], "active");

@@ -2,12 +2,7 @@
 //! forked, forked and exec'd, started through a shell, before or after the observer attached —
 //! and `--no-children` sees none of them. Every call of every worker exact.
 
-use std::{
-    io::{BufRead, BufReader, Write},
-    path::Path,
-    process::{ChildStdin, ChildStdout, Command, Stdio},
-    time::Duration,
-};
+use std::{path::Path, time::Duration};
 
 use gpu_observer_tests::*;
 
@@ -38,22 +33,6 @@ fn assert_every_worker_exact(dir: &Path, cap: &Captured) {
     }
 }
 
-/// The launcher under `run`: it speaks through the observer's stdin and stdout.
-struct Launcher {
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-}
-
-impl Launcher {
-    fn cmd(&mut self, line: &str) -> String {
-        writeln!(self.stdin, "{line}").unwrap();
-        self.stdin.flush().unwrap();
-        let mut reply = String::new();
-        self.stdout.read_line(&mut reply).unwrap();
-        reply.trim().to_string()
-    }
-}
-
 /// The launcher (cuda_workload) starts three workers that each load the fake libcuda and run
 /// 3 rounds; it waits for them.
 fn launch(cmd: &mut dyn FnMut(&str) -> String, dir: &Path, lib: &Path, delay_ms: u64) {
@@ -67,51 +46,21 @@ fn run_follows_forked_execd_and_shell_started_workers() {
     require_root();
     let dir = scratch("tree-run");
     let lib = fresh_lib(&dir, "libcuda.so.1");
-    let out = dir.join("out.jsonl");
-    let mut child = Command::new(observer_bin())
-        .args([
-            "--format",
-            "jsonl",
+    let mut r = RunAgent::start(
+        &dir,
+        &[
             "--trace-all",
             "--interval-ms",
             "100",
             "--no-nvml",
-            "--output",
-        ])
-        .arg(&out)
-        .arg("--libcuda")
-        .arg(&lib)
-        .arg("run")
-        .arg("--")
-        .arg(fixtures().join("cuda_workload"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = collect_lines(child.stderr.take().unwrap());
-    let mut l = Launcher {
-        stdin: child.stdin.take().unwrap(),
-        stdout: BufReader::new(child.stdout.take().unwrap()),
-    };
-    let mut ready = String::new();
-    l.stdout.read_line(&mut ready).unwrap();
-    assert!(ready.starts_with("ready "), "{ready}");
-    launch(&mut |c| l.cmd(c), &dir, &lib, 0);
-    assert_eq!(l.cmd("wait_workers"), "ok wait_workers");
-    l.cmd("exit");
-    let status = child.wait().unwrap();
-    let err = stderr.lock().unwrap().join("\n");
-    assert!(status.success(), "{status}: {err}");
-    let cap = Captured {
-        events: std::fs::read_to_string(&out)
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect(),
-        stderr: err.lines().map(String::from).collect(),
-        status,
-    };
+            "--libcuda",
+            lib.to_str().unwrap(),
+        ],
+        &[],
+    );
+    launch(&mut |c| r.cmd(c), &dir, &lib, 0);
+    assert_eq!(r.cmd("wait_workers"), "ok wait_workers");
+    let cap = r.finish();
     assert_every_worker_exact(&dir, &cap);
 }
 

@@ -2,11 +2,6 @@
 //! thread can, under `run` with the fake CUPTI, is judged `launch_bound` — in `verdict` lines
 //! and in its summary — with the numbers that decided it.
 
-use std::{
-    io::{BufRead, BufReader, Write},
-    process::{Command, Stdio},
-};
-
 use gpu_observer_tests::*;
 use serde_json::Value;
 
@@ -16,49 +11,25 @@ fn a_tight_launch_loop_of_tiny_kernels_is_launch_bound() {
     require_root();
     let dir = scratch("verdict-launch");
     let lib = fresh_lib(&dir, "libcuda.so.1");
-    let out = dir.join("out.jsonl");
-    let mut child = Command::new(observer_bin())
-        .args(["--format", "jsonl", "--interval-ms", "100", "--no-nvml", "--output"])
-        .arg(&out)
-        .arg("--libcuda")
-        .arg(&lib)
-        .arg("run")
-        .arg("--")
-        .arg(fixtures().join("cuda_workload"))
-        .env("GPU_OBSERVER_CUPTI_PATH", fixtures().join("libcupti.so.13"))
-        .env("GPU_OBSERVER_CUPTI_FLUSH_MS", "50")
-        // 50 µs of CPU a launch: ~20 000 launches/s from one saturated thread.
-        .env("FAKE_CUDA_LAUNCH_SPIN_NS", "50000")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = collect_lines(child.stderr.take().unwrap());
-    let mut stdin = child.stdin.take().unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut cmd = |line: &str| {
-        writeln!(stdin, "{line}").unwrap();
-        stdin.flush().unwrap();
-        let mut reply = String::new();
-        stdout.read_line(&mut reply).unwrap();
-        reply
-    };
-    let pid: u32 = cmd("").trim().strip_prefix("ready ").unwrap().parse().unwrap();
-    assert!(cmd(&format!("load {}", lib.display())).starts_with("ok"));
-    assert!(cmd("init").starts_with("ok"));
+    let mut r = RunAgent::start(
+        &dir,
+        &["--interval-ms", "100", "--no-nvml", "--libcuda", lib.to_str().unwrap()],
+        &[
+            ("GPU_OBSERVER_CUPTI_PATH", fixtures().join("libcupti.so.13").as_os_str()),
+            ("GPU_OBSERVER_CUPTI_FLUSH_MS", "50".as_ref()),
+            // 50 µs of CPU a launch: ~20 000 launches/s from one saturated thread.
+            ("FAKE_CUDA_LAUNCH_SPIN_NS", "50000".as_ref()),
+        ],
+    );
+    let pid = r.pid;
+    r.cmd(&format!("load {}", lib.display()));
+    r.cmd("init");
     // ~1 µs kernels (the fake CUPTI's: 1 µs per grid block), as fast as one thread launches
     // them (50 µs of CPU each): ~5 s, many ticks.
-    assert!(cmd("burst 100000").starts_with("ok"));
-    cmd("exit");
-    let status = child.wait().unwrap();
-    let err = stderr.lock().unwrap().join("\n");
-    assert!(status.success(), "{status}: {err}");
-    let lines: Vec<Value> = std::fs::read_to_string(&out)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    r.cmd("burst 100000");
+    let cap = r.finish();
+    let err = cap.stderr.join("\n");
+    let lines = &cap.events;
     let verdicts: Vec<&Value> = lines
         .iter()
         .filter(|l| l["type"] == "verdict" && l["pid"] == pid)
