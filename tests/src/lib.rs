@@ -273,11 +273,15 @@ impl Workload {
 
     /// Any program that speaks the workload's protocol (`ready <pid>` first, then one reply
     /// line per command): cuda_workload under `unshare`, the hostile_maps fixture, ….
-    pub fn spawn(mut cmd: Command) -> Workload {
+    pub fn spawn(cmd: Command) -> Workload {
+        Self::spawn_with_stderr(cmd, Stdio::inherit())
+    }
+
+    fn spawn_with_stderr(mut cmd: Command, stderr: Stdio) -> Workload {
         let mut child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
         let stdin = child.stdin.take().unwrap();
@@ -393,11 +397,9 @@ pub fn assert_exact(expected: &[Value], captured: &Captured, pid: u32) {
 
 /// `gpu-observer --format jsonl --output DIR/out.jsonl ARGS run -- cuda_workload`: the
 /// scripted workload started by the observer, spoken to through the observer's stdin and
-/// stdout (the program inherits them).
+/// stdout (the program inherits them): a [`Workload`] whose process is the observer.
 pub struct RunAgent {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    stdout: BufReader<ChildStdout>,
+    w: Workload,
     stderr: Arc<Mutex<Vec<String>>>,
     out: PathBuf,
     /// The started program's pid (its `ready` line).
@@ -407,57 +409,30 @@ pub struct RunAgent {
 impl RunAgent {
     pub fn start(dir: &Path, args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> RunAgent {
         let out = dir.join("out.jsonl");
-        let mut child = Command::new(observer_bin())
-            .args(["--format", "jsonl", "--output"])
+        let mut cmd = Command::new(observer_bin());
+        cmd.args(["--format", "jsonl", "--output"])
             .arg(&out)
             .args(args)
             .arg("run")
             .arg("--")
             .arg(fixtures().join("cuda_workload"))
-            .envs(env.iter().copied())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn gpu-observer run");
-        let stderr = collect_lines(child.stderr.take().unwrap());
-        let stdin = child.stdin.take();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
-        let pid = line
-            .trim()
-            .strip_prefix("ready ")
-            .unwrap_or_else(|| panic!("the started workload did not say `ready <pid>`: {line:?}"))
-            .parse()
-            .unwrap();
-        RunAgent {
-            child,
-            stdin,
-            stdout,
-            stderr,
-            out,
-            pid,
-        }
+            .envs(env.iter().copied());
+        let mut w = Workload::spawn_with_stderr(cmd, Stdio::piped());
+        let stderr = collect_lines(w.child.stderr.take().unwrap());
+        let pid = w.pid;
+        RunAgent { w, stderr, out, pid }
     }
 
-    /// Sends one command to the started workload, returns its reply (panics on `err`).
+    /// Sends one command to the started workload, returns its `ok ...` reply (panics on `err`).
     pub fn cmd(&mut self, line: &str) -> String {
-        let stdin = self.stdin.as_mut().expect("workload stdin");
-        writeln!(stdin, "{line}").unwrap();
-        stdin.flush().unwrap();
-        let mut reply = String::new();
-        self.stdout.read_line(&mut reply).unwrap();
-        assert!(reply.starts_with("ok"), "{line} → {reply}");
-        reply.trim().to_string()
+        self.w.cmd(line)
     }
 
     /// `exit` to the workload; waits for the observer, which ends with it; its output.
     pub fn finish(mut self) -> Captured {
-        if let Some(mut stdin) = self.stdin.take() {
-            let _ = writeln!(stdin, "exit");
-        }
-        let status = self.child.wait().unwrap();
+        let _ = writeln!(self.w.stdin, "exit");
+        let _ = self.w.stdin.flush();
+        let status = self.w.child.wait().unwrap();
         std::thread::sleep(Duration::from_millis(50));
         let stderr = self.stderr.lock().unwrap().clone();
         assert!(status.success(), "{status}: {}", stderr.join("\n"));
