@@ -276,3 +276,69 @@ fn format_none_exports_over_otlp_and_writes_nothing_locally() {
         cap.stderr
     );
 }
+
+/// Issue 13: `gpu.cuda.time` — wall time a process held a context on each GPU NVML lists it
+/// on, under its verdict's class, with no pid label. The fake NVML lists the workload on both
+/// fake GPUs at 90 % SM, so its windows are gpu_bound and both GPUs get the same seconds.
+#[test]
+fn gpu_time_by_class_counts_each_gpu_a_process_holds_and_names_no_pid() {
+    let _g = serial();
+    require_root();
+    let rx = Receiver::grpc();
+    let dir = scratch("otlp-gpu-time");
+    let mut w = Workload::loaded(&dir);
+    let procs = dir.join("procs.txt");
+    std::fs::write(&procs, format!("{0} 0 1048576 90\n{0} 1 1048576 90\n", w.pid)).unwrap();
+    let started = Instant::now();
+    let agent = Agent::start_with_env(
+        &dir,
+        &[
+            "--pid",
+            &w.pid.to_string(),
+            "--interval-ms",
+            "100",
+            "--nvml-lib",
+            &fake_nvml(),
+            "--nvml-interval-ms",
+            "50",
+            "--otlp-endpoint",
+            &rx.endpoint(),
+            "--otlp-interval-ms",
+            "500",
+            "--otlp-max-spans-per-sec",
+            "0",
+        ],
+        &[("FAKE_NVML_PROCS", procs.to_str().unwrap())],
+    );
+    agent.wait_stderr("attached", Duration::from_secs(10));
+    // Calls for 3 s (the fake's launches cost nothing: a sleep paces them).
+    for _ in 0..30 {
+        assert!(w.cmd("burst 100").starts_with("ok"));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    w.exit();
+    let cap = agent.finish();
+    let elapsed = started.elapsed().as_secs_f64();
+    assert!(cap.status.success(), "{:?}", cap.stderr);
+    let (_, m) = rx.metric("gpu.cuda.time").expect("gpu.cuda.time exported");
+    let pts = points(&m);
+    let mut by_gpu: BTreeMap<String, f64> = BTreeMap::new();
+    let mut gpu_bound: BTreeMap<String, f64> = BTreeMap::new();
+    for (a, v) in &pts {
+        assert_eq!(attr(a, "process.pid"), None, "no pid label: {a:?}");
+        let gpu = attr(a, "hw.id").unwrap();
+        let class = attr(a, "gpu.bottleneck").unwrap();
+        *by_gpu.entry(gpu.clone()).or_default() += v;
+        if class == "gpu_bound" {
+            *gpu_bound.entry(gpu).or_default() += v;
+        }
+    }
+    let gpus: Vec<&str> = by_gpu.keys().map(String::as_str).collect();
+    assert_eq!(gpus, ["GPU-fake-0000", "GPU-fake-0001"], "{pts:?}");
+    // The same ticks are counted on both GPUs, in the same order: the same sums.
+    assert_eq!(by_gpu["GPU-fake-0000"], by_gpu["GPU-fake-0001"], "{pts:?}");
+    assert_eq!(gpu_bound["GPU-fake-0000"], gpu_bound["GPU-fake-0001"], "{pts:?}");
+    // Held at most as long as the agent ran; gpu_bound for most of the 3 s of calls.
+    assert!(by_gpu["GPU-fake-0000"] <= elapsed, "{pts:?} in {elapsed} s");
+    assert!(gpu_bound["GPU-fake-0000"] >= 2.0, "{pts:?}");
+}

@@ -5,8 +5,14 @@
 //! next that holds the secondary. A window in which no rule holds is `mixed` (no single
 //! bottleneck: its evidence is still reported).
 
+use std::sync::Arc;
+
+use gpu_observer_common::api::Direction;
+
+use crate::correlate::Amount;
+
 /// A bottleneck class.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Class {
     /// No CUDA work in the window.
     Idle,
@@ -75,8 +81,38 @@ impl BusySource {
     }
 }
 
+/// What the host side of a starved GPU was doing: running on a CPU, or waiting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Host {
+    /// The process ran at least [`limits::HOST_CPU_BUSY`] of the window on CPUs.
+    CpuBusy,
+    /// It did not: it waited (I/O, sleep, locks, another process).
+    Waiting,
+}
+
+impl Host {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Host::CpuBusy => "cpu_busy",
+            Host::Waiting => "waiting",
+        }
+    }
+}
+
+/// A kernel's GPU time in the window.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TopKernel {
+    pub name: Arc<str>,
+    /// Runs in the window (`None` when not known: see `exact`).
+    pub count: Option<u64>,
+    pub gpu_ns: u64,
+    /// `false`: `gpu_ns` is a lower bound (the kernel was not among the few whose time the
+    /// window's first sample kept).
+    pub exact: bool,
+}
+
 /// What a process did in one window. Fractions are of the window's wall time.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Evidence {
     pub window_ns: u64,
     /// CUDA calls of any kind (launches included).
@@ -88,14 +124,23 @@ pub struct Evidence {
     /// Kernels that ran, and their summed GPU time (for the mean kernel time).
     pub kernels: u64,
     pub kernel_ns: u64,
+    /// The kernels with the most GPU time in the window, most first (CUPTI only).
+    pub top_kernels: Vec<TopKernel>,
     /// CPU time of the busiest thread that launched work, and of the whole process.
     pub launch_thread_cpu_ns: u64,
     pub process_cpu_ns: u64,
     pub syncs: u64,
     /// Time blocked in syncs, summed over threads.
     pub sync_ns: u64,
-    /// Time in copy calls, summed over threads.
-    pub copy_ns: u64,
+    /// Copy calls by direction (indexed like [`Direction::REPORTED`]): count, bytes, and the
+    /// time in the calls summed over threads.
+    pub copies: [Amount; 4],
+    /// Copies whose host end was pinned, or pageable (when it was known).
+    pub pinned_copies: u64,
+    pub pageable_copies: u64,
+    /// The theoretical data rate, bytes/s each way, of the PCIe link of the process's GPU
+    /// (NVML's maximum generation × width), when known.
+    pub link_bytes_per_s: Option<f64>,
 }
 
 impl Evidence {
@@ -104,7 +149,7 @@ impl Evidence {
         ns as f64 / self.window_ns.max(1) as f64
     }
 
-    /// GPU busy fraction (0 when unknown: the rules that need it do not hold).
+    /// GPU busy fraction (`None` when unknown: the rules that need it do not hold).
     pub fn gpu_busy(&self) -> Option<f64> {
         self.gpu_busy_ns.map(|b| self.frac(b).min(1.0))
     }
@@ -120,6 +165,33 @@ impl Evidence {
 
     pub fn mean_launch_interval_ns(&self) -> Option<f64> {
         (self.launches > 0).then(|| self.window_ns as f64 / self.launches as f64)
+    }
+
+    /// Time in copy calls, every direction.
+    pub fn copy_ns(&self) -> u64 {
+        self.copies.iter().fold(0u64, |t, a| t.saturating_add(a.ns))
+    }
+
+    /// The rate a direction's copies achieved while in the call, bytes/s (decimal units, as
+    /// link rates are quoted).
+    pub fn copy_bytes_per_s(&self, d: Direction) -> Option<f64> {
+        let a = self.copies[d.index()];
+        (a.ns > 0).then(|| a.bytes as f64 * 1e9 / a.ns as f64)
+    }
+
+    /// Pageable copies among those whose host end was known.
+    pub fn pageable_share(&self) -> Option<f64> {
+        let known = self.pinned_copies + self.pageable_copies;
+        (known > 0).then(|| self.pageable_copies as f64 / known as f64)
+    }
+
+    /// Whether the host ran or waited (see [`Host`]).
+    pub fn host(&self) -> Host {
+        if self.frac(self.process_cpu_ns) >= limits::HOST_CPU_BUSY {
+            Host::CpuBusy
+        } else {
+            Host::Waiting
+        }
     }
 }
 
@@ -141,6 +213,9 @@ pub mod limits {
     pub const TRANSFER_BOUND_COPY: f64 = 0.50;
     /// `host_bound`: the GPU busy less than this.
     pub const HOST_BOUND_BUSY_BELOW: f64 = 0.30;
+    /// The host counts as CPU-busy (not waiting) when the process ran at least this fraction
+    /// of the window on CPUs, summed over its threads: half a core.
+    pub const HOST_CPU_BUSY: f64 = 0.50;
 }
 
 /// A rule: its class and whether it holds for the evidence.
@@ -153,7 +228,7 @@ pub struct Rule {
 pub const RULES: [Rule; 5] = [
     Rule {
         class: Class::TransferBound,
-        holds: |e| e.frac(e.copy_ns) >= limits::TRANSFER_BOUND_COPY,
+        holds: |e| e.frac(e.copy_ns()) >= limits::TRANSFER_BOUND_COPY,
     },
     Rule {
         class: Class::GpuBound,
@@ -182,7 +257,7 @@ pub const RULES: [Rule; 5] = [
 ];
 
 /// A window's verdict.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Verdict {
     pub class: Class,
     pub secondary: Option<Class>,
@@ -221,8 +296,36 @@ impl Verdict {
                 e.frac(e.sync_ns) * 100.0
             ));
         }
-        if e.copy_ns > 0 {
-            parts.push(format!("copies {:.0}%", e.frac(e.copy_ns) * 100.0));
+        if e.copy_ns() > 0 {
+            let mut c = format!("copies {:.0}%", e.frac(e.copy_ns()) * 100.0);
+            for (d, arrow) in [(Direction::CpuToGpu, "H→D"), (Direction::GpuToCpu, "D→H")] {
+                if let Some(r) = e.copy_bytes_per_s(d) {
+                    c.push_str(&format!(" {arrow} {:.1} GB/s", r / 1e9));
+                }
+            }
+            if let Some(link) = e.link_bytes_per_s {
+                c.push_str(&format!(" of a {:.1} GB/s link", link / 1e9));
+            }
+            if let Some(p) = e.pageable_share() {
+                c.push_str(&format!(", {:.0}% pageable", p * 100.0));
+            }
+            parts.push(c);
+        }
+        if let Some(k) = e.top_kernels.first()
+            && e.kernel_ns > 0
+        {
+            parts.push(format!(
+                "top kernel {} ({:.0}% of kernel time)",
+                short(&k.name, 48),
+                k.gpu_ns as f64 * 100.0 / e.kernel_ns as f64
+            ));
+        }
+        if matches!(self.class, Class::HostBound) || matches!(self.secondary, Some(Class::HostBound)) {
+            parts.push(format!(
+                "host {} (process {:.0}% CPU)",
+                e.host().name(),
+                e.frac(e.process_cpu_ns) * 100.0
+            ));
         }
         let second = self
             .secondary
@@ -238,20 +341,29 @@ impl Verdict {
     }
 }
 
+/// At most `max` characters of a name, with an ellipsis when cut.
+fn short(name: &str, max: usize) -> String {
+    match name.char_indices().nth(max) {
+        Some((at, _)) => format!("{}…", &name[..at]),
+        None => name.to_string(),
+    }
+}
+
 /// Classifies one window.
-pub fn classify(e: &Evidence) -> Verdict {
+pub fn classify(e: Evidence) -> Verdict {
     if e.calls == 0 {
         return Verdict {
             class: Class::Idle,
             secondary: None,
-            evidence: *e,
+            evidence: e,
         };
     }
-    let mut held = RULES.iter().filter(|r| (r.holds)(e)).map(|r| r.class);
+    let mut held = RULES.iter().filter(|r| (r.holds)(&e)).map(|r| r.class);
+    let (class, secondary) = (held.next().unwrap_or(Class::Mixed), held.next());
     Verdict {
-        class: held.next().unwrap_or(Class::Mixed),
-        secondary: held.next(),
-        evidence: *e,
+        class,
+        secondary,
+        evidence: e,
     }
 }
 
@@ -267,17 +379,101 @@ mod tests {
             window_ns: S,
             calls: 10,
             gpu_busy_ns: Some((busy * S as f64) as u64),
+            busy_source: BusySource::Cupti,
             ..Evidence::default()
         }
     }
 
     fn class(e: Evidence) -> Class {
-        classify(&e).class
+        classify(e).class
+    }
+
+    /// Copies from the host taking `ns` of the window, split over both directions.
+    fn copying(ns: u64) -> [Amount; 4] {
+        let mut c = [Amount::default(); 4];
+        c[Direction::CpuToGpu.index()] = Amount {
+            count: 1,
+            bytes: 1 << 30,
+            ns: ns / 2,
+        };
+        c[Direction::GpuToCpu.index()] = Amount {
+            count: 1,
+            bytes: 1 << 29,
+            ns: ns - ns / 2,
+        };
+        c
+    }
+
+    #[test]
+    fn a_starved_gpu_says_whether_the_host_ran_or_waited_from_half_a_core() {
+        let at = |cpu: u64| {
+            classify(Evidence {
+                process_cpu_ns: cpu,
+                ..busy(0.1)
+            })
+        };
+        let (ran, waited) = (at(S / 2), at(S / 2 - 1));
+        assert_eq!((ran.class, ran.evidence.host()), (Class::HostBound, Host::CpuBusy));
+        assert_eq!(
+            (waited.class, waited.evidence.host()),
+            (Class::HostBound, Host::Waiting)
+        );
+        assert!(
+            ran.describe().contains("host cpu_busy (process 50% CPU)"),
+            "{}",
+            ran.describe()
+        );
+        assert!(waited.describe().contains("host waiting"), "{}", waited.describe());
+    }
+
+    #[test]
+    fn transfer_evidence_has_the_rate_each_way_against_the_link_and_the_pageable_share() {
+        let v = classify(Evidence {
+            copies: copying(S),
+            pinned_copies: 1,
+            pageable_copies: 3,
+            link_bytes_per_s: Some(63.0e9),
+            ..busy(0.1)
+        });
+        let e = &v.evidence;
+        assert_eq!(v.class, Class::TransferBound);
+        // 2^30 bytes in 0.5 s, 2^29 in 0.5 s.
+        assert_eq!(e.copy_bytes_per_s(Direction::CpuToGpu), Some(2.0 * (1u64 << 30) as f64));
+        assert_eq!(e.copy_bytes_per_s(Direction::GpuToCpu), Some(2.0 * (1u64 << 29) as f64));
+        assert_eq!(e.copy_bytes_per_s(Direction::GpuToGpu), None);
+        assert_eq!(e.pageable_share(), Some(0.75));
+        assert_eq!(
+            v.describe().split(" — ").next().unwrap(),
+            "transfer_bound (then host_bound) over 1.0 s: GPU busy 10.0% (cupti), copies 100% H→D 2.1 GB/s D→H 1.1 GB/s of a 63.0 GB/s link, 75% pageable, host waiting (process 0% CPU)"
+        );
+    }
+
+    #[test]
+    fn gpu_bound_names_its_top_kernel_and_its_share_of_kernel_time() {
+        let v = classify(Evidence {
+            kernels: 10,
+            kernel_ns: S * 8 / 10,
+            top_kernels: vec![TopKernel {
+                name: Arc::from("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64"),
+                count: Some(10),
+                gpu_ns: S * 6 / 10,
+                exact: true,
+            }],
+            ..busy(0.8)
+        });
+        assert_eq!(v.class, Class::GpuBound);
+        assert!(
+            v.describe()
+                .contains("top kernel sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesiz… (75% of kernel time)"),
+            "{}",
+            v.describe()
+        );
     }
 
     #[test]
     fn no_calls_is_idle_whatever_else() {
         assert_eq!(class(Evidence { calls: 0, ..busy(0.9) }), Class::Idle);
+        assert_eq!(class(Evidence { calls: 1, ..busy(0.9) }), Class::GpuBound);
     }
 
     #[test]
@@ -303,14 +499,14 @@ mod tests {
     #[test]
     fn transfer_bound_starts_at_half_the_window_in_copies_and_comes_first() {
         let e = Evidence {
-            copy_ns: S / 2,
+            copies: copying(S / 2),
             ..busy(0.9)
         };
-        let v = classify(&e);
+        let v = classify(e);
         assert_eq!((v.class, v.secondary), (Class::TransferBound, Some(Class::GpuBound)));
         assert_eq!(
             class(Evidence {
-                copy_ns: S / 2 - 1,
+                copies: copying(S / 2 - 1),
                 ..busy(0.5)
             }),
             Class::Mixed
@@ -331,7 +527,7 @@ mod tests {
 
     #[test]
     fn launch_bound_needs_a_saturated_thread_and_kernels_shorter_than_the_launch_gap() {
-        let v = classify(&launch_loop());
+        let v = classify(launch_loop());
         assert_eq!((v.class, v.secondary), (Class::LaunchBound, Some(Class::HostBound)));
         // The thread at exactly 80 %: still launch-bound; just under: not.
         let at = Evidence {
@@ -365,12 +561,12 @@ mod tests {
             sync_ns: S * 3 / 10,
             ..busy(0.4)
         };
-        assert_eq!(class(e), Class::SyncBound);
-        assert_eq!(class(Evidence { syncs: 99, ..e }), Class::Mixed);
+        assert_eq!(class(e.clone()), Class::SyncBound);
+        assert_eq!(class(Evidence { syncs: 99, ..e.clone() }), Class::Mixed);
         assert_eq!(
             class(Evidence {
                 sync_ns: S * 3 / 10 - 1,
-                ..e
+                ..e.clone()
             }),
             Class::Mixed
         );

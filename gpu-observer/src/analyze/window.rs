@@ -1,11 +1,18 @@
 //! Verdict windows: the main task samples each observed process's counters from the snapshot
 //! (and its launching threads' CPU time from /proc) at every tick, and judges the last
-//! [`WINDOW`] of each, and the whole run.
+//! [`WINDOW_NS`] of each, and the whole run; then counts the tick's GPU time by class
+//! ([`super::gpu_time`]).
 
-use std::collections::{HashMap, VecDeque};
+use std::{
+    collections::{HashMap, VecDeque},
+    sync::Arc,
+};
 
-use super::verdict::{BusySource, Evidence, Verdict, classify};
-use crate::{procinfo::ProcInfo, snapshot::Snapshot};
+use super::{
+    gpu_time::{GpuTime, Holder, Published},
+    verdict::{BusySource, Class, Evidence, TopKernel, Verdict, classify},
+};
+use crate::{correlate::Amount, procinfo::ProcInfo, snapshot::Snapshot};
 
 /// The sliding window a verdict covers (a shorter one until that much has been seen).
 pub const WINDOW_NS: u64 = 10_000_000_000;
@@ -15,6 +22,9 @@ const MAX_SAMPLES: usize = 128;
 const MAX_THREADS_READ: usize = 8;
 /// Processes tracked at once (the snapshot's are bounded too).
 const MAX_PROCESSES: usize = 4096;
+/// Kernels kept per sample (the most GPU time so far), and shown per window.
+const KERNELS_KEPT: usize = 8;
+const KERNELS_SHOWN: usize = 3;
 
 /// A process's counters at one tick.
 #[derive(Clone, Debug, Default)]
@@ -27,12 +37,57 @@ struct Sample {
     busy_ns: Option<u64>,
     /// NVML's SM utilization samples of the process so far: (sum of percents, samples).
     nvml_sm: Option<(u64, u64)>,
+    /// (kernel, count, GPU ns) so far of the [`KERNELS_KEPT`] with the most GPU time, most
+    /// first.
+    kernels_top: Vec<(Arc<str>, u64, u64)>,
     syncs: u64,
     sync_ns: u64,
-    copy_ns: u64,
+    copies: [Amount; 4],
+    pinned_copies: u64,
+    pageable_copies: u64,
+    link_bytes_per_s: Option<f64>,
     process_cpu_ns: u64,
     /// (tid, CPU ns) of the most launching threads.
     threads: Vec<(u32, u64)>,
+}
+
+/// The kernels with the most GPU time between two samples. Exact for a kernel among `a`'s
+/// kept ones, or when `a` kept all the process had; otherwise `a` is known to have had at
+/// most its last kept kernel's time for it, so that is subtracted and the window's time is a
+/// lower bound (`exact: false`, count unknown).
+fn top_kernels(a: &Sample, b: &Sample) -> Vec<TopKernel> {
+    let floor = (a.kernels_top.len() >= KERNELS_KEPT).then(|| a.kernels_top.last().map_or(0, |k| k.2));
+    let mut v: Vec<TopKernel> = b
+        .kernels_top
+        .iter()
+        .filter_map(|(name, count, ns)| {
+            let before = a.kernels_top.iter().find(|k| k.0 == *name);
+            let k = match (before, floor) {
+                (Some((_, c0, ns0)), _) => TopKernel {
+                    name: name.clone(),
+                    count: Some(count.saturating_sub(*c0)),
+                    gpu_ns: ns.saturating_sub(*ns0),
+                    exact: true,
+                },
+                (None, None) => TopKernel {
+                    name: name.clone(),
+                    count: Some(*count),
+                    gpu_ns: *ns,
+                    exact: true,
+                },
+                (None, Some(f)) => TopKernel {
+                    name: name.clone(),
+                    count: None,
+                    gpu_ns: ns.saturating_sub(f),
+                    exact: false,
+                },
+            };
+            (k.gpu_ns > 0).then_some(k)
+        })
+        .collect();
+    v.sort_by_key(|k| std::cmp::Reverse(k.gpu_ns));
+    v.truncate(KERNELS_SHOWN);
+    v
 }
 
 /// The evidence between two samples of one process.
@@ -70,11 +125,19 @@ fn between(a: &Sample, b: &Sample) -> Evidence {
         gpu_busy_ns,
         kernels: b.kernels.saturating_sub(a.kernels),
         kernel_ns: b.kernel_ns.saturating_sub(a.kernel_ns),
+        top_kernels: top_kernels(a, b),
         launch_thread_cpu_ns,
         process_cpu_ns: b.process_cpu_ns.saturating_sub(a.process_cpu_ns),
         syncs: b.syncs.saturating_sub(a.syncs),
         sync_ns: b.sync_ns.saturating_sub(a.sync_ns),
-        copy_ns: b.copy_ns.saturating_sub(a.copy_ns),
+        copies: std::array::from_fn(|i| Amount {
+            count: b.copies[i].count.saturating_sub(a.copies[i].count),
+            bytes: b.copies[i].bytes.saturating_sub(a.copies[i].bytes),
+            ns: b.copies[i].ns.saturating_sub(a.copies[i].ns),
+        }),
+        pinned_copies: b.pinned_copies.saturating_sub(a.pinned_copies),
+        pageable_copies: b.pageable_copies.saturating_sub(a.pageable_copies),
+        link_bytes_per_s: b.link_bytes_per_s,
     }
 }
 
@@ -92,18 +155,33 @@ struct Tracked {
     recent: VecDeque<Sample>,
 }
 
-/// Every observed process's samples.
-#[derive(Default)]
+/// Every observed process's samples, and the GPU time by class.
 pub struct Tracker {
     procs: HashMap<u32, Tracked>,
+    gpu_time: GpuTime,
 }
 
 impl Tracker {
+    /// `gpu_time`: where the GPU time by class is published (for `gpu.cuda.time`).
+    pub fn new(gpu_time: Published) -> Self {
+        Self {
+            procs: HashMap::new(),
+            gpu_time: GpuTime::new(gpu_time),
+        }
+    }
+
     /// Samples the snapshot's live processes (their threads' CPU time from `procinfo`) and
     /// returns each one's verdict over the last window (none for a process seen only once).
     /// Time is the snapshot's, so counters and clock agree.
     pub fn tick(&mut self, snap: &Snapshot, procinfo: &ProcInfo) -> Vec<ProcessVerdict> {
-        self.sample(snap, procinfo, false)
+        if snap.seq == 0 {
+            // The empty snapshot before the first publication: no time of its own.
+            return Vec::new();
+        }
+        let verdicts = self.sample(snap, procinfo, false);
+        let holders = holders(snap, &verdicts);
+        self.gpu_time.tick(snap.taken_ns, &holders, procinfo);
+        verdicts
     }
 
     /// The last tick, at the end of the run: exited processes are sampled too (their CPU time
@@ -143,9 +221,17 @@ impl Tracker {
                 kernel_ns: p.gpu.as_ref().map_or(0, |g| g.stats.kernel_ns),
                 busy_ns: p.gpu.as_ref().map(|g| g.stats.busy_ns),
                 nvml_sm: snap.nvml.procs.get(&p.pid).map(|u| (u.sm_util_sum, u.sm_util_samples)),
+                kernels_top: p
+                    .gpu
+                    .as_ref()
+                    .map(|g| kept_kernels(&g.stats.by_kernel))
+                    .unwrap_or_default(),
                 syncs: s.syncs.count,
                 sync_ns: s.syncs.ns,
-                copy_ns: s.copies.iter().map(|a| a.ns).sum(),
+                copies: s.copies,
+                pinned_copies: s.pinned_copies,
+                pageable_copies: s.pageable_copies,
+                link_bytes_per_s: link_of(snap, p.pid),
                 process_cpu_ns: procinfo
                     .process_cpu_ns(p.pid)
                     .or(last.map(|s| s.process_cpu_ns))
@@ -174,7 +260,7 @@ impl Tracker {
                 out.push(ProcessVerdict {
                     pid: p.pid,
                     comm: p.comm.clone(),
-                    verdict: classify(&between(oldest, &sample)),
+                    verdict: classify(between(oldest, &sample)),
                 });
             }
             t.recent.push_back(sample);
@@ -186,6 +272,116 @@ impl Tracker {
     pub fn whole_run(&self, pid: u32) -> Option<Verdict> {
         let t = self.procs.get(&pid)?;
         let (first, last) = (t.first.as_ref()?, t.recent.back()?);
-        (last.at_ns > first.at_ns).then(|| classify(&between(first, last)))
+        (last.at_ns > first.at_ns).then(|| classify(between(first, last)))
+    }
+}
+
+/// The kept kernels: the most GPU time first.
+fn kept_kernels(by_kernel: &std::collections::BTreeMap<Arc<str>, (u64, u64)>) -> Vec<(Arc<str>, u64, u64)> {
+    let mut v: Vec<(Arc<str>, u64, u64)> = by_kernel.iter().map(|(k, (c, ns))| (k.clone(), *c, *ns)).collect();
+    v.sort_by_key(|k| std::cmp::Reverse(k.2));
+    v.truncate(KERNELS_KEPT);
+    v
+}
+
+/// The theoretical PCIe rate of the first GPU NVML saw the process on.
+fn link_of(snap: &Snapshot, pid: u32) -> Option<f64> {
+    let dev = *snap.nvml.procs.get(&pid)?.devices.first()?;
+    snap.nvml
+        .devices
+        .iter()
+        .find(|d| d.index == dev)?
+        .pcie_max_link
+        .bytes_per_s()
+}
+
+/// Who holds a GPU context at this tick, counted under which class (see [`super::gpu_time`]).
+fn holders(snap: &Snapshot, verdicts: &[ProcessVerdict]) -> Vec<Holder> {
+    let nvml = &snap.nvml;
+    let uuid = |index: u32| -> Arc<str> {
+        nvml.devices
+            .iter()
+            .find(|d| d.index == index)
+            .and_then(|d| d.uuid.as_deref())
+            .map_or_else(|| Arc::from(""), Arc::from)
+    };
+    if nvml.procs_round_ns > 0 {
+        // NVML lists processes: those it lists now, observed or not.
+        nvml.procs
+            .iter()
+            .filter(|(pid, u)| !u.devices_now.is_empty() && (nvml.wants(**pid) || snap.process(**pid).is_some()))
+            .filter_map(|(pid, u)| {
+                let class = match snap.process(*pid) {
+                    // Observed: its window's class (none yet at its first tick).
+                    Some(_) => verdicts.iter().find(|v| v.pid == *pid)?.verdict.class,
+                    None => Class::Idle,
+                };
+                Some(Holder {
+                    pid: *pid,
+                    class,
+                    gpus: u.devices_now.iter().map(|d| uuid(*d)).collect(),
+                })
+            })
+            .collect()
+    } else {
+        // No listing: every live observed process that made a call, on a GPU not known.
+        verdicts
+            .iter()
+            .filter(|v| snap.process(v.pid).is_some_and(|p| !p.exited && p.stats.events > 0))
+            .map(|v| Holder {
+                pid: v.pid,
+                class: v.verdict.class,
+                gpus: vec![Arc::from("")],
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kernels(list: &[(&str, u64, u64)]) -> Sample {
+        Sample {
+            kernels_top: list.iter().map(|(n, c, ns)| (Arc::from(*n), *c, *ns)).collect(),
+            ..Sample::default()
+        }
+    }
+
+    #[test]
+    fn window_top_kernels_are_exact_for_kept_kernels_and_a_lower_bound_for_newcomers() {
+        // The first sample kept everything the process had: exact.
+        let a = kernels(&[("gemm", 10, 1000), ("add", 100, 500)]);
+        let b = kernels(&[("gemm", 30, 5000), ("add", 300, 900), ("new", 1, 50)]);
+        let top = top_kernels(&a, &b);
+        let got: Vec<(&str, Option<u64>, u64, bool)> =
+            top.iter().map(|k| (&*k.name, k.count, k.gpu_ns, k.exact)).collect();
+        assert_eq!(
+            got,
+            [
+                ("gemm", Some(20), 4000, true),
+                ("add", Some(200), 400, true),
+                ("new", Some(1), 50, true)
+            ]
+        );
+        // A full first sample: a kernel not in it had at most its last kept kernel's time.
+        let full: Vec<(String, u64, u64)> = (0..KERNELS_KEPT as u64)
+            .map(|i| (format!("k{i}"), 1, 100 - i))
+            .collect();
+        let a = Sample {
+            kernels_top: full.iter().map(|(n, c, ns)| (Arc::from(n.as_str()), *c, *ns)).collect(),
+            ..Sample::default()
+        };
+        let b = kernels(&[("late", 50, 10_000), ("k0", 2, 150)]);
+        let top = top_kernels(&a, &b);
+        let floor = 100 - (KERNELS_KEPT as u64 - 1);
+        assert_eq!(
+            (&*top[0].name, top[0].count, top[0].gpu_ns, top[0].exact),
+            ("late", None, 10_000 - floor, false)
+        );
+        assert_eq!(
+            (&*top[1].name, top[1].count, top[1].gpu_ns, top[1].exact),
+            ("k0", Some(1), 50, true)
+        );
     }
 }

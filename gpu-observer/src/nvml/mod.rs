@@ -88,6 +88,8 @@ pub struct ProcUse {
     pub comm: String,
     /// Devices it was seen on, ascending.
     pub devices: Vec<u32>,
+    /// Devices it held a context on in the latest process round (empty: not listed then).
+    pub devices_now: Vec<u32>,
     /// Latest memory over all its devices, and the most seen at once.
     pub memory_bytes: u64,
     pub memory_max_bytes: u64,
@@ -186,6 +188,8 @@ pub struct View {
     pub history: Vec<VecDeque<Arc<DeviceSample>>>,
     pub totals: Vec<DeviceTotals>,
     pub procs: HashMap<u32, ProcUse>,
+    /// When the processes were last listed (0: never).
+    pub procs_round_ns: u64,
     /// Samples the sinks did not get because the channel was full.
     pub lines_dropped: u64,
     pub cost: Cost,
@@ -219,6 +223,7 @@ impl Hub {
                 history: Vec::new(),
                 totals: Vec::new(),
                 procs: HashMap::new(),
+                procs_round_ns: 0,
                 lines_dropped: 0,
                 cost: Cost::default(),
                 pid,
@@ -285,12 +290,26 @@ impl Recorder {
         self.queue(Line::Device(s), None);
     }
 
-    /// One round of process samples (all devices), `ts_ns` the round's time.
-    fn record_procs(&mut self, ts_ns: u64, procs: Vec<ProcessSample>, procinfo: &crate::procinfo::ProcInfo) {
+    /// One round of process samples (all devices), `ts_ns` the round's time; `listed`: whether
+    /// this round listed the processes (their tier was due), so that who holds a context now
+    /// is known.
+    fn record_procs(
+        &mut self,
+        ts_ns: u64,
+        procs: Vec<ProcessSample>,
+        listed: bool,
+        procinfo: &crate::procinfo::ProcInfo,
+    ) {
         // Latest memory is the sum over the devices of this round.
         let mut round: HashMap<u32, u64> = HashMap::new();
         for p in &procs {
             *round.entry(p.pid).or_default() += p.memory_bytes.unwrap_or(0);
+        }
+        if listed {
+            self.view.procs_round_ns = ts_ns;
+            for u in self.view.procs.values_mut() {
+                u.devices_now.clear();
+            }
         }
         for p in procs {
             let v = &mut self.view;
@@ -306,6 +325,9 @@ impl Recorder {
             });
             if let Err(at) = u.devices.binary_search(&p.device) {
                 u.devices.insert(at, p.device);
+            }
+            if let Err(at) = u.devices_now.binary_search(&p.device) {
+                u.devices_now.insert(at, p.device);
             }
             u.memory_bytes = round[&p.pid];
             u.memory_max_bytes = u.memory_max_bytes.max(u.memory_bytes);
@@ -423,7 +445,7 @@ fn run(cfg: Config, hub: &Hub, rec: &mut Recorder, stopped: &mpsc::Receiver<()>)
         for s in samples {
             rec.record(s);
         }
-        rec.record_procs(ts_ns, std::mem::take(&mut procs), &procinfo);
+        rec.record_procs(ts_ns, std::mem::take(&mut procs), tiers.medium, &procinfo);
         rec.view.cost = Cost {
             samples: rec.view.cost.samples + 1,
             cpu_ns: crate::clock::thread_cpu_ns() - cpu0,
@@ -516,12 +538,16 @@ mod tests {
         rec.record_procs(
             1,
             vec![p(7, 0, 100, Some(10)), p(7, 1, 50, None), p(8, 0, 9, Some(90))],
+            true,
             &info,
         );
-        rec.record_procs(2, vec![p(7, 0, 20, Some(30))], &info);
+        rec.record_procs(2, vec![p(7, 0, 20, Some(30))], true, &info);
         let h = &rec.view;
         let u = &h.procs[&7];
         assert_eq!(u.devices, [0, 1]);
+        // Who holds a context now: the latest listing only (8 was not listed at 2).
+        assert_eq!((u.devices_now.as_slice(), h.procs_round_ns), (&[0][..], 2));
+        assert!(h.procs[&8].devices_now.is_empty());
         assert_eq!((u.memory_bytes, u.memory_max_bytes), (20, 150));
         assert_eq!((u.sm_util_mean(), u.sm_util_max), (Some(20.0), 30));
         assert_eq!(h.procs[&8].sm_util_max, 90);

@@ -149,6 +149,26 @@ pub struct Link {
     pub width: Option<u32>,
 }
 
+impl Link {
+    /// The link's theoretical data rate each way, bytes/s: the generation's transfer rate per
+    /// lane after its line encoding, times the width. Generations 1–2 send 2.5 and 5 GT/s with
+    /// 8b/10b encoding, 3–5 send 8, 16 and 32 GT/s with 128b/130b, 6 sends 64 GT/s in FLITs
+    /// of which 242 of 256 bytes are data. `None` when either is unknown (or a later
+    /// generation).
+    pub fn bytes_per_s(&self) -> Option<f64> {
+        let (gt_per_s, efficiency) = match self.generation? {
+            1 => (2.5e9, 8.0 / 10.0),
+            2 => (5e9, 8.0 / 10.0),
+            3 => (8e9, 128.0 / 130.0),
+            4 => (16e9, 128.0 / 130.0),
+            5 => (32e9, 128.0 / 130.0),
+            6 => (64e9, 242.0 / 256.0),
+            _ => return None,
+        };
+        Some(gt_per_s * efficiency / 8.0 * f64::from(self.width?))
+    }
+}
+
 /// One device at one instant. `None`: the GPU (or driver) does not report it.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct DeviceSample {
@@ -801,6 +821,30 @@ fn detail_list(dev: &Device<'_>) -> Result<Vec<(u32, Option<u64>)>, NvmlError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn link_rate_is_the_generation_lane_rate_after_encoding_times_width() {
+        let rate = |generation, width| {
+            Link {
+                generation: Some(generation),
+                width: Some(width),
+            }
+            .bytes_per_s()
+        };
+        // PCIe 5.0 ×16 (H100): 32 GT/s × 128/130 / 8 × 16 = 63.02 GB/s.
+        assert_eq!(rate(5, 16).map(|r| (r / 1e6).round()), Some(63_015.0));
+        assert_eq!(rate(3, 16).map(|r| (r / 1e6).round()), Some(15_754.0));
+        assert_eq!(rate(1, 1), Some(250e6));
+        assert_eq!(rate(7, 16), None);
+        assert_eq!(
+            Link {
+                generation: Some(4),
+                width: None
+            }
+            .bytes_per_s(),
+            None
+        );
+    }
 
     #[test]
     fn pcie_rate_is_bytes_per_second_between_reads() {

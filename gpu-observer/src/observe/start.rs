@@ -133,8 +133,10 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
         .with_memory_limit_mb(cli.memory_limit_mb, cli.ring_buffer_size)
         .with_lookup(Box::new(ProcInfo::host()));
     let (publisher, snapshots) = Publisher::new(hub.view());
+    // GPU time by verdict class: the tracker counts it, the OTLP metrics read it.
+    let gpu_time = crate::analyze::gpu_time::Published::default();
     let otlp = match otlp_grpc {
-        Some(grpc) => Some(start_otlp(&cli, grpc, &hub, snapshots.clone(), spawned.as_ref()).await?),
+        Some(grpc) => Some(start_otlp(&cli, grpc, &hub, snapshots.clone(), gpu_time.clone(), spawned.as_ref()).await?),
         None => None,
     };
     if let Some(o) = &otlp
@@ -188,7 +190,7 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
         root_gone: None,
         told_descendants: false,
         last_follow_missed: 0,
-        tracker: Default::default(),
+        tracker: crate::analyze::window::Tracker::new(gpu_time),
         verdicts: Default::default(),
         verdict_written: Default::default(),
     })
@@ -199,6 +201,7 @@ async fn start_otlp(
     grpc: bool,
     hub: &nvml::Hub,
     snapshots: Snapshots,
+    gpu_time: crate::analyze::gpu_time::Published,
     spawned: Option<&spawn::Spawned>,
 ) -> Result<export::otlp::Otlp> {
     // The driver version for the resource, when NVML is up in time.
@@ -225,7 +228,7 @@ async fn start_otlp(
         trace_all: cli.trace_all,
         max_spans_per_sec: cli.otlp_max_spans_per_sec,
     };
-    let o = export::otlp::start(cfg, snapshots, &hub.view(), backends)?;
+    let o = export::otlp::start(cfg, snapshots, gpu_time, &hub.view(), backends)?;
     say(format_args!(
         "exporting OTLP ({}) to {}",
         if grpc { "gRPC" } else { "HTTP/protobuf" },

@@ -79,17 +79,50 @@ fn verdict_fields<W: Write>(o: &mut W, v: &Verdict) -> io::Result<()> {
     opt_str(o, "gpu_busy_source", e.busy_source.name())?;
     write!(
         o,
-        ",\"calls\":{},\"launches_per_s\":{:.1},\"mean_kernel_ns\":{},\"mean_launch_interval_ns\":{},\"launch_thread_cpu\":{:.4},\"process_cpu\":{:.4},\"syncs_per_s\":{:.1},\"sync_blocked\":{:.4},\"copy_fraction\":{:.4}}}",
+        ",\"gpu_idle\":{},\"calls\":{},\"calls_per_s\":{:.1},\"launches_per_s\":{:.1},\"mean_kernel_ns\":{},\"mean_launch_interval_ns\":{},\"launch_thread_cpu\":{:.4},\"process_cpu\":{:.4},\"host\":\"{}\",\"syncs_per_s\":{:.1},\"sync_blocked\":{:.4},\"copy_fraction\":{:.4},\"copies\":{{",
+        OptNum(e.gpu_busy().map(|b| Decimals(1.0 - b, 4))),
         e.calls,
+        e.per_s(e.calls),
         e.per_s(e.launches),
         OptNum(e.mean_kernel_ns().map(|n| n.round() as u64)),
         OptNum(e.mean_launch_interval_ns().map(|n| n.round() as u64)),
         e.frac(e.launch_thread_cpu_ns),
         e.frac(e.process_cpu_ns),
+        e.host().name(),
         e.per_s(e.syncs),
         e.frac(e.sync_ns),
-        e.frac(e.copy_ns),
+        e.frac(e.copy_ns()),
     )?;
+    for (i, d) in Direction::REPORTED.into_iter().enumerate() {
+        let a = e.copies[d.index()];
+        write!(
+            o,
+            "{}\"{}\":{{\"count\":{},\"bytes\":{},\"gb_per_s\":{}}}",
+            if i == 0 { "" } else { "," },
+            d.name(),
+            a.count,
+            a.bytes,
+            OptNum(e.copy_bytes_per_s(d).map(|r| Decimals(r / 1e9, 3)))
+        )?;
+    }
+    write!(
+        o,
+        "}},\"pageable_share\":{},\"link_gb_per_s\":{},\"top_kernels\":[",
+        OptNum(e.pageable_share().map(|p| Decimals(p, 4))),
+        OptNum(e.link_bytes_per_s.map(|r| Decimals(r / 1e9, 3)))
+    )?;
+    for (i, k) in e.top_kernels.iter().enumerate() {
+        write!(o, "{}{{\"name\":", if i == 0 { "" } else { "," })?;
+        serde_json::to_writer(&mut *o, &*k.name).map_err(io::Error::other)?;
+        write!(
+            o,
+            ",\"count\":{},\"gpu_ns\":{},\"exact\":{}}}",
+            OptNum(k.count),
+            k.gpu_ns,
+            k.exact
+        )?;
+    }
+    o.write_all(b"]}")?;
     opt_str(o, "hint", Some(v.class.hint()))
 }
 

@@ -31,6 +31,7 @@ fn with(mut v: Vec<KeyValue>, kv: KeyValue) -> Vec<KeyValue> {
 pub fn register(
     meters: &SdkMeterProvider,
     snapshots: &Snapshots,
+    gpu_time: crate::analyze::gpu_time::Published,
     counters: &Arc<Counters>,
     procs: &SharedProcAttrs,
 ) -> Histogram<f64> {
@@ -129,6 +130,28 @@ pub fn register(
             })
             .build();
     }
+
+    // GPU time by bottleneck class: no pid, so a fleet's series stay few (analyze/gpu_time.rs).
+    m.f64_observable_counter("gpu.cuda.time")
+        .with_unit("s")
+        .with_description(
+            "Wall time a process held a context on a GPU, attributed to the bottleneck class of its current verdict window",
+        )
+        .with_callback(move |obs| {
+            for (k, s) in &gpu_time.load().seconds {
+                let mut a = vec![
+                    KeyValue::new("hw.id", k.gpu.to_string()),
+                    KeyValue::new("gpu.bottleneck", k.class.name()),
+                ];
+                if let Some(p) = &k.pod {
+                    a.push(KeyValue::new("k8s.pod.name", p.pod.clone()));
+                    a.push(KeyValue::new("k8s.namespace.name", p.namespace.clone()));
+                    a.push(KeyValue::new("k8s.container.name", p.container.clone()));
+                }
+                obs.observe(*s, &a);
+            }
+        })
+        .build();
 
     // Devices, from the latest NVML samples.
     let per_gpu = |name: &'static str, unit: &'static str, counter: bool, f: FromDevice| {

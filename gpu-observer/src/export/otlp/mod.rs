@@ -177,7 +177,13 @@ impl Otlp {
 
 /// Starts the exporter: builds both OTLP exporters (errors here are configuration errors),
 /// the metric instruments and the span thread.
-pub fn start(cfg: Config, snapshots: Snapshots, gpus: &nvml::View, backends: &str) -> Result<Otlp> {
+pub fn start(
+    cfg: Config,
+    snapshots: Snapshots,
+    gpu_time: crate::analyze::gpu_time::Published,
+    gpus: &nvml::View,
+    backends: &str,
+) -> Result<Otlp> {
     let rt = BackgroundRuntime::start()?;
     let handle = rt.handle();
     let _guard = handle.enter();
@@ -201,7 +207,7 @@ pub fn start(cfg: Config, snapshots: Snapshots, gpus: &nvml::View, backends: &st
         .with_reader(reader)
         .build();
     let procs = ProcAttrs::new(cfg.command_line);
-    let kernel_time = metrics::register(&meters, &snapshots, &counters, &procs);
+    let kernel_time = metrics::register(&meters, &snapshots, gpu_time, &counters, &procs);
     let (tx, rx) = sync_channel(cfg.queue);
     let c = counters.clone();
     let thread = std::thread::Builder::new().name("otlp-export".into()).spawn({
