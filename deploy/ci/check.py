@@ -47,7 +47,7 @@ AGENT_CAPS = {"BPF", "PERFMON", "SYS_PTRACE", "DAC_READ_SEARCH"}
 AGENT_HOST_PATHS = {"/sys/kernel/btf": True, "/sys/fs/bpf": False, "/sys/kernel/tracing": False,
                     "/var/log/containers": True}
 
-PANEL_TYPES = {"row", "timeseries", "stat", "table"}
+PANEL_TYPES = {"row", "timeseries", "stat", "table", "bargauge"}
 GRAFANA_BUILTINS = {"__rate_interval": "2m", "__interval": "1m", "__range": "10m"}
 
 
@@ -330,6 +330,9 @@ def promql_names(expr, where, series, fail):
             for m in n.matchers.matchers:
                 if m.name != "__name__" and m.name not in series[metric]["labels"]:
                     fail.add("promql", f"{where}: {metric} has no label {m.name!r}")
+                for v in unknown_values(m, series[metric]["values"].get(m.name)):
+                    fail.add("promql", f"{where}: {metric}{{{m.name}}} has no value {v!r} "
+                                       f"(deploy/metrics.yaml: {series[metric]['values'][m.name]})")
         elif isinstance(n, promql_parser.AggregateExpr) and n.modifier:
             for label in n.modifier.labels:
                 if label not in all_labels:
@@ -341,6 +344,21 @@ def promql_names(expr, where, series, fail):
                 if label not in all_labels:
                     fail.add("promql", f"{where}: vector matching on unknown label {label!r}")
     promql_parser.walk(ast, visit)
+
+
+def unknown_values(matcher, values):
+    """The values a matcher names that an enumerated label (metrics.yaml `values`) never has: an
+    exact match, or each branch of a regex that is a plain alternation (a|b). A typo there would
+    match nothing, or, in an alternation, silently drop one class."""
+    if not values:
+        return []
+    if matcher.op in (promql_parser.MatchOp.Equal, promql_parser.MatchOp.NotEqual):
+        names = [matcher.value]
+    elif re.fullmatch(r"[A-Za-z0-9_.\-]+(\|[A-Za-z0-9_.\-]+)*", matcher.value):
+        names = matcher.value.split("|")
+    else:
+        return []
+    return [v for v in names if v and v not in values]
 
 
 def layout_errors(panels):
@@ -420,6 +438,7 @@ TS_PANEL_TYPES = {
     "timeseries": ("TimeSeries", "timeseries/panelcfg/x/TimeSeriesPanelCfg_types.gen"),
     "stat": ("Stat", "stat/panelcfg/x/StatPanelCfg_types.gen"),  # no custom field config
     "table": ("Table", "table/panelcfg/x/TablePanelCfg_types.gen"),
+    "bargauge": ("BarGauge", "bargauge/panelcfg/x/BarGaugePanelCfg_types.gen"),  # no custom field config
 }
 
 
@@ -443,7 +462,8 @@ def check_dashboard_types(dash, tools, work, fail):
             lines.append(f"export const {var} = {body} satisfies Lit<S.RowPanel>;")
         elif p.get("type") in TS_PANEL_TYPES:
             alias = TS_PANEL_TYPES[p["type"]][0]
-            field_config = "Record<string, unknown>" if p["type"] == "stat" else f"{alias}.FieldConfig"
+            field_config = ("Record<string, unknown>" if p["type"] in ("stat", "bargauge")
+                            else f"{alias}.FieldConfig")
             lines.append(f"export const {var} = {body} satisfies PanelOf<{alias}.Options, {field_config}>;")
     src = tools["node_modules"].parent / "work" / "dashboard.ts"
     src.parent.mkdir(parents=True, exist_ok=True)
@@ -465,6 +485,21 @@ LE = ["0.0001", "0.001", "0.01", "0.1", "1", "+Inf"]
 GAUGE_VALUE = {"hw_gpu_memory_usage_bytes": 2e10, "hw_gpu_memory_limit_bytes": 8e10,
                "hw_power_watts": 300, "hw_temperature_celsius": 60,
                "gpu_cuda_memory_outstanding_bytes": 1e9}
+# gpu_cuda_time_seconds_total: each pod holds a context on each GPU all the time (60 s a minute),
+# split over the bottleneck classes in these seconds a minute; the queries that compute GPU-hours,
+# GPUs held or the share of each class are checked against them (check_promtool).
+GPU_TIME = "gpu_cuda_time_seconds_total"
+SYNTH_CLASS_SECONDS = {"gpu_bound": 24, "idle": 12, "launch_bound": 9, "sync_bound": 6,
+                       "transfer_bound": 3, "host_bound": 3, "mixed": 3}
+# Panel unit of a gpu_cuda_time query with legend {{gpu_bottleneck}} -> its value for a class, from
+# that class's synthetic seconds a minute: share of the time, GPU-hours over $__range, GPUs held.
+RANGE_MINUTES = int(GRAFANA_BUILTINS["__range"].removesuffix("m"))
+GPU_TIME_UNITS = {
+    "percentunit": ("share of GPU time", lambda sec, n: sec / 60),
+    "suffix: GPU-h": ("GPU-hours over the range",
+                      lambda sec, n: n * sec * RANGE_MINUTES / 3600),
+    "suffix: GPUs": ("GPUs held", lambda sec, n: n * sec / 60),
+}
 
 
 def lane_rate(gen):
@@ -486,27 +521,29 @@ def synthetic_series(series):
                 base_labels = [{**b, label: v} for b in base_labels for v in vals]
         combos = []
         for node in SYNTH_NODES:
+            # Per GPU (NVML), per process or pod (CUDA), or both (gpu_cuda_time: per pod and GPU).
+            gpus = [({"hw_id": f"GPU-{node}-{idx}", "hw_name": "NVIDIA H100", "gpu_index": idx},
+                     (gen, width)) for idx, gen, width in SYNTH_GPUS] \
+                if "hw_id" in s["labels"] else [({}, None)]
+            pods = [{"k8s_namespace_name": ns, "k8s_pod_name": pod, "k8s_container_name": "main",
+                     "container_id": f"c{pid}", "process_pid": str(pid),
+                     "process_executable_name": "python", "process_command_line": "python train.py"}
+                    for ns, pod, pid in SYNTH_PODS] \
+                if "k8s_pod_name" in s["labels"] else [{}]
             for b in base_labels:
                 b = {**b, "k8s_node_name": node, "host_name": node, "job": "gpu-observer",
                      "instance": f"gpu-observer-{node}", "otel_scope_name": "gpu-observer"}
-                if "hw_id" in s["labels"]:
-                    for idx, gen, width in SYNTH_GPUS:
-                        combos.append(({**b, "hw_id": f"GPU-{node}-{idx}", "hw_name": "NVIDIA H100",
-                                        "gpu_index": idx}, (gen, width)))
-                elif "process_pid" in s["labels"]:
-                    for ns, pod, pid in SYNTH_PODS:
-                        combos.append(({**b, "k8s_namespace_name": ns, "k8s_pod_name": pod,
-                                        "k8s_container_name": "main", "container_id": f"c{pid}",
-                                        "process_pid": str(pid), "process_executable_name": "python",
-                                        "process_command_line": "python train.py"},
-                                       None))
-                else:
-                    combos.append((b, None))
+                for gpu_labels, link in gpus:
+                    for pod_labels in pods:
+                        combos.append(({**b, **gpu_labels, **pod_labels}, link))
         for labels, gpu in combos:
             labels = {k: v for k, v in labels.items() if k in s["labels"] or k == "otel_scope_name"}
             if name.endswith("_bucket"):
                 for i, le in enumerate(LE):
                     out.append({"series": fmt(name, {**labels, "le": le}), "values": f"0+{(i + 1) * 10}x30"})
+            elif name == GPU_TIME:
+                out.append({"series": fmt(name, labels),
+                            "values": f"0+{SYNTH_CLASS_SECONDS[labels['gpu_bottleneck']]}x30"})
             elif s["kind"] in ("counter", "histogram"):
                 out.append({"series": fmt(name, labels), "values": "0+600x30"})
             elif name.startswith("hw_gpu_pcie_link_generation"):
@@ -518,10 +555,33 @@ def synthetic_series(series):
     return out
 
 
+def by_labels(expr):
+    """The labels of every `by (...)` aggregation in expr."""
+    labels = set()
+    try:
+        ast = promql_parser.parse(expr)
+    except Exception:  # reported by promql_names
+        return labels
+
+    def visit(n):
+        if (isinstance(n, promql_parser.AggregateExpr) and n.modifier
+                and n.modifier.type == promql_parser.AggModifierType.By):
+            labels.update(n.modifier.labels)
+    promql_parser.walk(ast, visit)
+    return labels
+
+
 def check_promtool(queries, series, tools, work, fail):
     rules, tests = [], []
     legend_re = re.compile(r"\{\{\s*(\w+)\s*\}\}")
     capacity_queries = 0
+    gpu_time_checked = {unit: 0 for unit in GPU_TIME_UNITS}
+    classes = (series.get(GPU_TIME) or {}).get("values", {}).get("gpu_bottleneck")
+    if classes is not None and set(classes) != set(SYNTH_CLASS_SECONDS):
+        fail.add("metrics", f"{GPU_TIME}: the classes in deploy/metrics.yaml {sorted(classes)} are not "
+                            f"those check.py has synthetic time for {sorted(SYNTH_CLASS_SECONDS)}")
+        return
+    gpu_time_series = len(SYNTH_NODES) * len(SYNTH_GPUS) * len(SYNTH_PODS)
     for i, (where, p, t, expr) in enumerate(queries):
         rec = f"dashboard:q{i}"
         rules.append({"record": rec, "expr": expr})
@@ -531,6 +591,24 @@ def check_promtool(queries, series, tools, work, fail):
         for label in legend_re.findall(t.get("legendFormat", "")):
             tests.append({"expr": f'count({rec}{{{label}=""}}) or vector(0){tag}: legend label {label}',
                           "eval_time": "20m", "exp_samples": [{"labels": "{}", "value": 0}]})
+        if t.get("format") == "table":
+            # A table shows the labels its query groups by, as columns: each must be on the result.
+            for label in sorted(by_labels(expr) - {"le"}):
+                tests.append({"expr": f'count({rec}{{{label}=""}}) or vector(0){tag}: table column {label}',
+                              "eval_time": "20m", "exp_samples": [{"labels": "{}", "value": 0}]})
+        unit = ((p.get("fieldConfig") or {}).get("defaults") or {}).get("unit")
+        if GPU_TIME in expr and t.get("legendFormat") == "{{gpu_bottleneck}}" and unit in GPU_TIME_UNITS:
+            what, value = GPU_TIME_UNITS[unit]
+            gpu_time_checked[unit] += 1
+            # One series per class, each within 1e-9 (relative) of its value: promtool compares
+            # samples exactly, and sums of rates are not.
+            tests.append({"expr": f"count({rec}){tag}: one series per bottleneck class", "eval_time": "20m",
+                          "exp_samples": [{"labels": "{}", "value": len(SYNTH_CLASS_SECONDS)}]})
+            for c, sec in SYNTH_CLASS_SECONDS.items():
+                want = value(sec, gpu_time_series)
+                tests.append({"expr": f'abs({rec}{{gpu_bottleneck="{c}"}} - {want!r}) < bool {want * 1e-9!r}'
+                                      f"{tag}: {what} of {c} = {want:g}",
+                              "eval_time": "20m", "exp_samples": [{"labels": f'{{gpu_bottleneck="{c}"}}', "value": 1}]})
         if "link capacity" in t.get("legendFormat", ""):
             capacity_queries += 1
             samples = []
@@ -542,6 +620,10 @@ def check_promtool(queries, series, tools, work, fail):
                           "eval_time": "20m", "exp_samples": samples})
     if capacity_queries == 0:
         fail.add("dashboard", "no query with the legend '... link capacity' (per-GPU PCIe capacity)")
+    for unit, n in gpu_time_checked.items():
+        if n == 0:
+            fail.add("dashboard", f"no {GPU_TIME} query with the legend {{{{gpu_bottleneck}}}} in a panel "
+                                  f"of unit {unit!r} ({GPU_TIME_UNITS[unit][0]} per class)")
     rules_file = work / "dashboard.rules.yaml"
     rules_file.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]},
                                          sort_keys=False, width=1000))
@@ -671,6 +753,15 @@ def self_test(tools, work):
          dash_edit(lambda d: first_expr(d, 'hw_gpu_task="general"', 'hw_gpu_task="graphics"'))),
         ("wrong PCIe per-lane rate", {"dashboard", "promtool"}, "promtool",
          dash_edit(lambda d: [first_expr(d, "0.98462e9", "0.98462e8") for _ in range(2)])),
+        ("unknown bottleneck class", {"dashboard"}, "promql",
+         dash_edit(lambda d: first_expr(d, 'gpu_bottleneck="gpu_bound"', 'gpu_bottleneck="gpu-bound"'))),
+        ("table groups by a label the metric lacks", {"dashboard", "promtool"}, "promtool",
+         dash_edit(lambda d: first_expr(d, "sum by (k8s_namespace_name, k8s_pod_name) (increase(gpu_cuda_time",
+                                        "sum by (k8s_namespace_name, process_pid) (increase(gpu_cuda_time"))),
+        ("GPU-hours from a rate", {"dashboard", "promtool"}, "promtool",
+         dash_edit(lambda d: first_expr(d, "sum by (gpu_bottleneck) (increase(", "sum by (gpu_bottleneck) (rate("))),
+        ("share of a wrong total", {"dashboard", "promtool"}, "promtool",
+         dash_edit(lambda d: first_expr(d, "group_left sum(rate(", "group_left count(rate("))),
         ("unknown panel option", {"dashboard", "tsc"}, "grafana schema",
          dash_edit(set_panel("maxDataPoint", 100))),
         ("bad enum value", {"dashboard", "tsc"}, "grafana schema",
