@@ -69,6 +69,9 @@ pub enum BusySource {
     Cupti,
     /// NVML: the mean of the process's SM utilization samples (NVML's own sampling).
     Nvml,
+    /// NVML: the mean utilization of the GPUs the process had to itself (the fraction of time a
+    /// kernel ran, sampled every NVML round).
+    NvmlDevice,
 }
 
 impl BusySource {
@@ -77,6 +80,7 @@ impl BusySource {
             BusySource::None => None,
             BusySource::Cupti => Some("cupti"),
             BusySource::Nvml => Some("nvml"),
+            BusySource::NvmlDevice => Some("nvml_device"),
         }
     }
 }
@@ -163,6 +167,19 @@ impl Evidence {
         (self.kernels > 0).then(|| self.kernel_ns as f64 / self.kernels as f64)
     }
 
+    /// GPU busy time per launch: the mean kernel time's stand-in without CUPTI (it also counts
+    /// copies and overlapping kernels once).
+    pub fn busy_ns_per_launch(&self) -> Option<f64> {
+        let busy = self.gpu_busy_ns?;
+        (self.launches > 0).then(|| busy as f64 / self.launches as f64)
+    }
+
+    /// The kernel time the launch rule compares with the launch interval: CUPTI's mean kernel
+    /// time, else the busy time per launch.
+    pub fn kernel_time_ns(&self) -> Option<f64> {
+        self.mean_kernel_ns().or_else(|| self.busy_ns_per_launch())
+    }
+
     pub fn mean_launch_interval_ns(&self) -> Option<f64> {
         (self.launches > 0).then(|| self.window_ns as f64 / self.launches as f64)
     }
@@ -247,7 +264,7 @@ pub const RULES: [Rule; 5] = [
         holds: |e| {
             e.gpu_busy().is_some_and(|b| b < limits::LAUNCH_BOUND_BUSY_BELOW)
                 && e.frac(e.launch_thread_cpu_ns) >= limits::LAUNCH_BOUND_THREAD_CPU
-                && matches!((e.mean_kernel_ns(), e.mean_launch_interval_ns()), (Some(k), Some(i)) if k < i)
+                && matches!((e.kernel_time_ns(), e.mean_launch_interval_ns()), (Some(k), Some(i)) if k < i)
         },
     },
     Rule {
@@ -276,9 +293,14 @@ impl Verdict {
         if e.launches > 0 {
             parts.push(format!("{:.0} launches/s", e.per_s(e.launches)));
         }
-        if let (Some(k), Some(i)) = (e.mean_kernel_ns(), e.mean_launch_interval_ns()) {
+        if let (Some(k), Some(i)) = (e.kernel_time_ns(), e.mean_launch_interval_ns()) {
+            let what = if e.kernels > 0 {
+                "kernels"
+            } else {
+                "GPU busy per launch"
+            };
             parts.push(format!(
-                "kernels {:.1} µs vs {:.1} µs between launches",
+                "{what} {:.1} µs vs {:.1} µs between launches",
                 k / 1e3,
                 i / 1e3
             ));
@@ -552,6 +574,32 @@ mod tests {
             ..launch_loop()
         };
         assert_eq!(class(half), Class::Mixed);
+    }
+
+    #[test]
+    fn without_cupti_kernels_the_launch_rule_compares_busy_time_per_launch() {
+        let nvml = Evidence {
+            kernels: 0,
+            kernel_ns: 0,
+            busy_source: BusySource::Nvml,
+            ..launch_loop()
+        };
+        assert_eq!(nvml.busy_ns_per_launch(), Some(4_000.0));
+        let v = classify(nvml);
+        assert_eq!(v.class, Class::LaunchBound);
+        assert!(
+            v.describe()
+                .contains("GPU busy per launch 4.0 µs vs 62.5 µs between launches"),
+            "{}",
+            v.describe()
+        );
+        // No busy signal at all: the rule cannot hold.
+        let blind = Evidence {
+            kernels: 0,
+            gpu_busy_ns: None,
+            ..launch_loop()
+        };
+        assert_eq!(class(blind), Class::Mixed);
     }
 
     #[test]

@@ -37,6 +37,9 @@ struct Sample {
     busy_ns: Option<u64>,
     /// NVML's SM utilization samples of the process so far: (sum of percents, samples).
     nvml_sm: Option<(u64, u64)>,
+    /// When NVML lists the process alone on its GPUs: those GPUs, and their device
+    /// utilization samples so far (sum of percents, samples).
+    nvml_device: Option<(Vec<u32>, f64, u64)>,
     /// (kernel, count, GPU ns) so far of the [`KERNELS_KEPT`] with the most GPU time, most
     /// first.
     kernels_top: Vec<(Arc<str>, u64, u64)>,
@@ -102,10 +105,20 @@ fn between(a: &Sample, b: &Sample) -> Evidence {
         .max()
         .unwrap_or(0);
     let window_ns = b.at_ns.saturating_sub(a.at_ns);
-    // CUPTI's exact busy time when the process has it; else the mean of NVML's samples.
-    let (gpu_busy_ns, busy_source) = match (b.busy_ns, b.nvml_sm) {
-        (Some(n), _) => (Some(n.saturating_sub(a.busy_ns.unwrap_or(0))), BusySource::Cupti),
-        (None, Some((sum, n))) => {
+    // CUPTI's exact busy time when the process has it; else, when the process had its GPUs to
+    // itself, their utilization (NVML samples it every round); else the mean of NVML's
+    // per-process samples (read every 10 s: they lag).
+    let alone = match (&a.nvml_device, &b.nvml_device) {
+        (Some((d0, sum0, n0)), Some((d, sum, n))) if d0 == d && n > n0 => Some((sum - sum0) / (n - n0) as f64),
+        _ => None,
+    };
+    let (gpu_busy_ns, busy_source) = match (b.busy_ns, alone, b.nvml_sm) {
+        (Some(n), ..) => (Some(n.saturating_sub(a.busy_ns.unwrap_or(0))), BusySource::Cupti),
+        (None, Some(pct), _) => (
+            Some((pct.clamp(0.0, 100.0) / 100.0 * window_ns as f64) as u64),
+            BusySource::NvmlDevice,
+        ),
+        (None, None, Some((sum, n))) => {
             let (sum0, n0) = a.nvml_sm.unwrap_or((0, 0));
             match n.checked_sub(n0).filter(|d| *d > 0) {
                 Some(samples) => {
@@ -115,7 +128,7 @@ fn between(a: &Sample, b: &Sample) -> Evidence {
                 None => (None, BusySource::None),
             }
         }
-        (None, None) => (None, BusySource::None),
+        (None, None, None) => (None, BusySource::None),
     };
     Evidence {
         window_ns,
@@ -221,6 +234,7 @@ impl Tracker {
                 kernel_ns: p.gpu.as_ref().map_or(0, |g| g.stats.kernel_ns),
                 busy_ns: p.gpu.as_ref().map(|g| g.stats.busy_ns),
                 nvml_sm: snap.nvml.procs.get(&p.pid).map(|u| (u.sm_util_sum, u.sm_util_samples)),
+                nvml_device: alone_on(snap, p.pid),
                 kernels_top: p
                     .gpu
                     .as_ref()
@@ -282,6 +296,27 @@ fn kept_kernels(by_kernel: &std::collections::BTreeMap<Arc<str>, (u64, u64)>) ->
     v.sort_by_key(|k| std::cmp::Reverse(k.2));
     v.truncate(KERNELS_KEPT);
     v
+}
+
+/// The GPUs NVML lists the process on now, when no other process is listed on them, and
+/// their utilization samples so far.
+fn alone_on(snap: &Snapshot, pid: u32) -> Option<(Vec<u32>, f64, u64)> {
+    let nvml = &snap.nvml;
+    let mine = &nvml.procs.get(&pid)?.devices_now;
+    let shared = nvml
+        .procs
+        .iter()
+        .any(|(other, u)| *other != pid && u.devices_now.iter().any(|d| mine.contains(d)));
+    if mine.is_empty() || shared {
+        return None;
+    }
+    let (mut sum, mut n) = (0.0, 0);
+    for d in mine {
+        let t = nvml.totals.get(*d as usize)?;
+        sum += t.util_gpu.sum;
+        n += t.util_gpu.n;
+    }
+    Some((mine.clone(), sum, n))
 }
 
 /// The theoretical PCIe rate of the first GPU NVML saw the process on.

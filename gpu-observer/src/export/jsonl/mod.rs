@@ -79,12 +79,13 @@ fn verdict_fields<W: Write>(o: &mut W, v: &Verdict) -> io::Result<()> {
     opt_str(o, "gpu_busy_source", e.busy_source.name())?;
     write!(
         o,
-        ",\"gpu_idle\":{},\"calls\":{},\"calls_per_s\":{:.1},\"launches_per_s\":{:.1},\"mean_kernel_ns\":{},\"mean_launch_interval_ns\":{},\"launch_thread_cpu\":{:.4},\"process_cpu\":{:.4},\"host\":\"{}\",\"syncs_per_s\":{:.1},\"sync_blocked\":{:.4},\"copy_fraction\":{:.4},\"copies\":{{",
+        ",\"gpu_idle\":{},\"calls\":{},\"calls_per_s\":{:.1},\"launches_per_s\":{:.1},\"mean_kernel_ns\":{},\"busy_ns_per_launch\":{},\"mean_launch_interval_ns\":{},\"launch_thread_cpu\":{:.4},\"process_cpu\":{:.4},\"host\":\"{}\",\"syncs_per_s\":{:.1},\"sync_blocked\":{:.4},\"copy_fraction\":{:.4},\"copies\":{{",
         OptNum(e.gpu_busy().map(|b| Decimals(1.0 - b, 4))),
         e.calls,
         e.per_s(e.calls),
         e.per_s(e.launches),
         OptNum(e.mean_kernel_ns().map(|n| n.round() as u64)),
+        OptNum(e.busy_ns_per_launch().map(|n| n.round() as u64)),
         OptNum(e.mean_launch_interval_ns().map(|n| n.round() as u64)),
         e.frac(e.launch_thread_cpu_ns),
         e.frac(e.process_cpu_ns),
