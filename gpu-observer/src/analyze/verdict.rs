@@ -344,7 +344,8 @@ impl Verdict {
         }
         if matches!(self.class, Class::HostBound) || matches!(self.secondary, Some(Class::HostBound)) {
             parts.push(format!(
-                "host {} (process {:.0}% CPU)",
+                "{:.0} calls/s, host {} (process {:.0}% CPU)",
+                e.per_s(e.calls),
                 e.host().name(),
                 e.frac(e.process_cpu_ns) * 100.0
             ));
@@ -466,7 +467,7 @@ mod tests {
         assert_eq!(e.pageable_share(), Some(0.75));
         assert_eq!(
             v.describe().split(" — ").next().unwrap(),
-            "transfer_bound (then host_bound) over 1.0 s: GPU busy 10.0% (cupti), copies 100% H→D 2.1 GB/s D→H 1.1 GB/s of a 63.0 GB/s link, 75% pageable, host waiting (process 0% CPU)"
+            "transfer_bound (then host_bound) over 1.0 s: GPU busy 10.0% (cupti), copies 100% H→D 2.1 GB/s D→H 1.1 GB/s of a 63.0 GB/s link, 75% pageable, 10 calls/s, host waiting (process 0% CPU)"
         );
     }
 
