@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # No-GPU self-test of the validation tooling: the package gpu/gpucheck (its one JSON-lines
 # reader; compare, compare_ground_truth, compare_cupti, make_report, bench_report,
-# bench_cupti_report, compare_nvml) on synthetic JSONL, the observer lifecycle in lib.sh
-# (all-process and `run` mode) against tests/fake_observer.py, and bench_cupti.sh and
-# validate_nvml.sh end to end with the fakes.
+# bench_cupti_report, compare_nvml, compare_verdicts) on synthetic JSONL, the observer lifecycle
+# in lib.sh (all-process and `run` mode) against tests/fake_observer.py, and bench_cupti.sh,
+# validate_nvml.sh and validate_verdicts.sh end to end with the fakes.
 # Run: bash gpu/tests/selftest.sh
 set -euo pipefail
 
@@ -591,6 +591,144 @@ check "validate_nvml.sh: without torch -> rc 1, reported as not run" "1 0" \
     "$(nv_e2e nve3 FAKE_NO_TORCH=1) $(has "PyTorch with CUDA not usable" "$T/nve3.out/NVML-VALIDATION.md")"
 check "validate_nvml.sh: observer fails to start -> rc 1, report written" "1 0" \
     "$(nv_e2e nve4 FAKE_NVML_FAULTS=die_early=1) $(has "did not start" "$T/nve4.out/NVML-VALIDATION.md")"
+
+# --- bottleneck verdicts (issue 13): gpucheck.compare_verdicts on synthetic scenarios
+# (tests/fake_verdicts.py synth), then validate_verdicts.sh end to end with the fakes.
+VF="$HERE/fake_verdicts.py"
+chmod +x "$VF"
+mkdir -p "$T/vd"
+vd_rc() { # name kind mode [fault...] [-- extra check args] -> compare_verdicts check rc ($T/vd/NAME.*)
+    local n=$1 k=$2 m=$3 rc=0
+    shift 3
+    local -a fa=() xa=()
+    while (($#)); do
+        if [[ $1 == -- ]]; then
+            shift
+            xa=("$@")
+            break
+        fi
+        fa+=(--fault "$1")
+        shift
+    done
+    "$PY" "$VF" synth "$T/vd" "$n" --kind "$k" --mode "$m" ${fa[@]+"${fa[@]}"}
+    "$PY" -m gpucheck.compare_verdicts check --events "$T/vd/$n.jsonl" --workload "$T/vd/$n.json" \
+        --name "$n" --kind "$k" --mode "$m" --terminal "$T/vd/$n.term.txt" \
+        --result-out "$T/vd/$n.result.json" ${xa[@]+"${xa[@]}"} >"$T/vd/$n.out" 2>&1 || rc=$?
+    echo "$rc"
+}
+vd_get() { # name expression (of the result r) -> its value
+    "$PY" -c 'import json,sys; r=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))' \
+        "$T/vd/$1.result.json" "$2" 2>/dev/null || echo error
+}
+check "verdicts: launch under run (CUPTI) -> pass" 0 "$(vd_rc launch_c launch cupti)"
+check "verdicts: the console row" 0 "$(has "launch_c: PASS  expected launch_bound; pid 4242, 3 verdict lines, observed 14.5 s" "$T/vd/launch_c.out")"
+check "verdicts: majority and end over the full-length span (9 s after the first sample to the exit)" 0 \
+    "$(has "full-length windows (5.5 s): majority launch_bound (100%), at the end launch_bound; whole run launch_bound (then host_bound)" "$T/vd/launch_c.out")"
+check "verdicts: the 10 s line is the explicit full-length one, and decides the evidence" \
+    "['launch_bound'] 12.0 10.0" "$(vd_get launch_c 'r["full"]["explicit_full_lines"], r["full"]["deciding"]["t_s"], r["full"]["deciding"]["window_s"]' | tr -d '(),')"
+check "verdicts: the evidence shown" 0 \
+    "$(has "busy 22.0% (cupti), launches/s 140,000, kernel/interval µs 1.8 / 7.1, thread CPU 99%, process CPU 102%, host cpu_busy, syncs/s 10, blocked 2%, copies 0% \[none (link 63)\]" "$T/vd/launch_c.out")"
+check "verdicts: sync under --pid (NVML) -> pass" 0 "$(vd_rc sync_p sync pid)"
+check "verdicts: no line of its own in the span: the 8.5 s line's class holds to the exit" \
+    "[] sync_bound 5.5 8.5" "$(vd_get sync_p 'r["full"]["explicit_full_lines"], r["full"]["majority"], r["full"]["span_s"], r["full"]["deciding"]["window_s"]' | tr -d "(),'")"
+check "verdicts: the terminal summary's verdict line parsed" "sync_bound launch_bound" \
+    "$(vd_get sync_p 'r["terminal"]["class"], r["terminal"]["secondary"]' | tr -d "(),'")"
+check "verdicts: cpu, all processes, host cpu_busy -> pass" 0 "$(vd_rc cpu_a cpu all)"
+check "verdicts: the launch loop without CUPTI is host_bound -> fail" 1 "$(vd_rc launch_a launch all)"
+check "verdicts: ... why: no kernel times without CUPTI" 0 \
+    "$(has "why: launch_bound needs: GPU busy 22% < 50% (holds); launching thread CPU 99% ≥ 80% (holds); mean kernel time unknown (only CUPTI gives kernel times: without it launch_bound cannot hold)" "$T/vd/launch_a.out")"
+check "verdicts: an earlier rule that holds -> why says it comes first" "1 0" \
+    "$(vd_rc sync_l sync cupti -- --expect launch_bound) $(has "why: sync_bound is tried before launch_bound" "$T/vd/sync_l.out")"
+check "verdicts: sleep under run, host waiting -> pass" 0 "$(vd_rc sleep_c sleep cupti)"
+check "verdicts: train is informational" "0 INFO" "$(vd_rc train_a train all) $(vd_get train_a 'r["status"]')"
+check "verdicts: gemm never gpu_bound -> fail" 1 "$(vd_rc wc gemm all wrong_class)"
+check "verdicts: ... majority and end both named" "0 0" \
+    "$(has "FAIL: majority of the full-length span is mixed (100%), expected gpu_bound" "$T/vd/wc.out") $(has "FAIL: class at the end is mixed, expected gpu_bound" "$T/vd/wc.out")"
+check "verdicts: mixed at the end (the majority still launch_bound) -> fail" 1 "$(vd_rc fe launch cupti flip_end)"
+check "verdicts: ... time by class over the span" "{'launch_bound': 5.0, 'mixed': 0.5} 0.9091" \
+    "$(vd_get fe 'r["full"]["time_by_class_s"], r["full"]["majority_share"]' | tr -d '()' | sed 's/}, /} /')"
+check "verdicts: ... the end named" 0 "$(has "FAIL: class at the end is mixed, expected launch_bound" "$T/vd/fe.out")"
+check "verdicts: process observed 7.5 s -> fail (no full-length window)" 1 "$(vd_rc sh sync pid short)"
+check "verdicts: ... says so" 0 "$(has "FAIL: no full-length window: pid 4242 observed 7.5 s (needs ≥ 9 s; run the workload longer)" "$T/vd/sh.out")"
+check "verdicts: no verdict line for the pid -> fail" "1 0" "$(vd_rc nl cpu all no_lines) $(has "FAIL: no verdict line for pid 4242" "$T/vd/nl.out")"
+check "verdicts: host_bound with the wrong host -> fail" "1 0" \
+    "$(vd_rc wh cpu pid wrong_host) $(has "FAIL: evidence.host waiting at t=8.5 s, expected cpu_busy" "$T/vd/wh.out")"
+check "verdicts: host_bound without evidence.host -> fail" "1 0" \
+    "$(vd_rc nh sleep cupti no_host) $(has "FAIL: evidence.host (absent) at t=2.0 s, expected waiting" "$T/vd/nh.out")"
+check "verdicts: evidence without the newer members -> pass, shown absent" "0 0" \
+    "$(vd_rc of gemm cupti old_fields) $(has "host (absent), syncs/s 56, blocked 2%, copies 0% \[(absent)\]" "$T/vd/of.out")"
+check "verdicts: lines under another pid -> python process by comm, pass" "0 0" \
+    "$(vd_rc po transfer all pid_offset) $(has "falling back to pid 4249" "$T/vd/po.out")"
+check "verdicts: no process_exit line -> the end from the whole-run window, pass" "0 0 14.5" \
+    "$(vd_rc ne gemm pid no_exit) $(has "end taken from the whole-run window" "$T/vd/ne.out") $(vd_get ne 'r["observed_s"]')"
+check "verdicts: a torn last line -> counted, pass" "0 0" \
+    "$(vd_rc tn sync cupti torn) $(has "1 unusable JSONL line(s) skipped" "$T/vd/tn.out")"
+check "verdicts: summary without a whole-run verdict -> pass" "0 None" \
+    "$(vd_rc nv gemm all no_verdict_summary) $(vd_get nv 'r["whole_run"].get("class")')"
+check "verdicts: --expect overrides the class and host" 0 "$(vd_rc wh2 cpu pid wrong_host -- --expect host_bound:waiting)"
+check "verdicts: --expect none -> informational" "0 INFO" "$(vd_rc wc2 gemm all wrong_class -- --expect none) $(vd_get wc2 'r["status"]')"
+check "verdicts: --expect of an unknown class -> rc 2" 2 "$(vd_rc bad gemm all -- --expect fast)"
+check "verdicts: the workload failed -> fail" "1 0" \
+    "$(vd_rc wf gemm cupti -- --workload-rc 1) $(has "FAIL: workload exit status 1" "$T/vd/wf.out")"
+rc=0
+"$PY" -m gpucheck.compare_verdicts check --events "$T/vd/nonexistent.jsonl" --name gone --kind gemm \
+    --mode all --result-out "$T/vd/gone.result.json" >"$T/vd/gone.out" 2>&1 || rc=$?
+check "verdicts: unreadable observer output -> rc 2, a FAIL result" "2 FAIL" "$rc $(vd_get gone 'r["status"]')"
+printf 'gemm_pid\tgemm\tpid\tNOT RUN (time budget 390 s)\n' >"$T/vd/status.tsv"
+rc=0
+"$PY" -m gpucheck.compare_verdicts report --env "$T/env.json" --status-file "$T/vd/status.tsv" \
+    --out "$T/vd/V1.md" --json-out "$T/vd/V1.json" "$T/vd/launch_c.result.json" "$T/vd/sync_p.result.json" \
+    "$T/vd/wh.result.json" "$T/vd/train_a.result.json" >"$T/vd/V1.out" 2>&1 || rc=$?
+check "verdicts report: a failing and a not-run row -> rc 1" 1 "$rc"
+check "verdicts report: overall" 0 "$(has "Overall: \*\*FAIL\*\* — 5 runs: 2 pass, 2 fail or not run, 1 informational." "$T/vd/V1.md")"
+check "verdicts report: the verdict row" 0 \
+    "$(has "| sync | \`--pid\` (NVML) | sync_bound | sync_bound (100% of 5.5 s) / sync_bound | sync_bound (then launch_bound) | \*\*PASS\*\* |" "$T/vd/V1.md")"
+check "verdicts report: the failing row with its reason" 0 \
+    "$(has "| cpu | \`--pid\` (NVML) | host_bound, host cpu_busy | host_bound (100% of 5.5 s) / host_bound | host_bound | \*\*FAIL\*\* (evidence.host waiting at t=8.5 s, expected cpu_busy) |" "$T/vd/V1.md")"
+check "verdicts report: the not-run row" 0 "$(has "| gemm | \`--pid\` (NVML) | gpu_bound | - | - | \*\*NOT RUN (time budget 390 s)\*\* |" "$T/vd/V1.md")"
+check "verdicts report: evidence row" 0 \
+    "$(has "| launch | cupti | t=12.0 s, 10.0 s | launch_bound (then host_bound) | 22.0% (cupti) | 140,000 | 1.8 / 7.1 | 99% / 102% | cpu_busy | 10 | 2% | 0% | none (link 63) | - |" "$T/vd/V1.md")"
+check "verdicts report: the terminal capture" 0 "$(has "  verdict       sync_bound (then launch_bound) over 14.5 s: GPU busy 41.0% (nvml)" "$T/vd/V1.md")"
+check "verdicts report: results json" 0 "$(has '"overall": "FAIL"' "$T/vd/V1.json")"
+rc=0
+"$PY" -m gpucheck.compare_verdicts report --out "$T/vd/V2.md" "$T/vd/launch_c.result.json" \
+    "$T/vd/sync_p.result.json" >/dev/null 2>&1 || rc=$?
+check "verdicts report: all pass -> rc 0" "0 0" "$rc $(has "Overall: \*\*PASS\*\*" "$T/vd/V2.md")"
+printf 'train_pid\ttrain\tpid\tNOT RUN (time budget 390 s)\n' >"$T/vd/status2.tsv"
+rc=0
+"$PY" -m gpucheck.compare_verdicts report --status-file "$T/vd/status2.tsv" --out "$T/vd/V3.md" \
+    "$T/vd/launch_c.result.json" >/dev/null 2>&1 || rc=$?
+check "verdicts report: an informational run the time budget left out does not fail" "0 0" \
+    "$rc $(has "1 pass, 0 fail or not run, 0 informational, 1 informational not run." "$T/vd/V3.md")"
+# validate_verdicts.sh end to end: the fake observer (run, all processes, --pid, terminal) and
+# a fake bottleneck.py (the symlink's name makes fake_verdicts.py the workload).
+ln -sf "$VF" "$T/fake_bottleneck.py"
+vv_e2e() { # name [env...] -> rc
+    local n=$1 rc=0
+    shift
+    env "$@" OBSERVER="$VF" BOTTLENECK_WORKLOAD="$T/fake_bottleneck.py" CUPTI_LIB="$HERE/synth.py" \
+        ALLOW_NO_GPU=1 ALLOW_NONROOT=1 READY_TIMEOUT=5 STOP_TIMEOUT=5 WL_SECONDS=0.2 \
+        WORK_DIR="$T/$n.work" PYTHON="$PY" bash "$GPU/validate_verdicts.sh" "$T/$n.out" >"$T/$n.log" 2>&1 || rc=$?
+    echo "$rc"
+}
+vv_rows() { # name -> "NAME:STATUS ..." of its results json
+    "$PY" -c 'import json,sys; print(" ".join(r["name"] + ":" + r["status"] for r in json.load(open(sys.argv[1]))["results"]))' \
+        "$T/$1.out/verdicts-results.json" 2>/dev/null || echo error
+}
+check "validate_verdicts.sh end to end (fakes)" 0 "$(vv_e2e vv1 KINDS="gemm cpu")"
+check "validate_verdicts.sh: three files out" 3 "$(find "$T/vv1.out" -type f | wc -l | tr -d ' ')"
+check "validate_verdicts.sh: every row" "gemm_cupti:PASS gemm_all:PASS gemm_pid:PASS cpu_cupti:PASS cpu_all:PASS cpu_pid:PASS" "$(vv_rows vv1)"
+check "validate_verdicts.sh: the terminal capture in the report" 0 "$(has "  verdict       host_bound over 14.5 s" "$T/vv1.out/VERDICTS.md")"
+check "validate_verdicts.sh: no full JSONL left, the kept lines in the artifacts" "0 0" \
+    "$([[ -e $T/vv1.work.jsonl ]] && echo 1 || echo 0) $(tar -tzf "$T/vv1.out/verdicts-artifacts.tar.gz" | grep -c 'cpu_pid.verdicts.jsonl$' | sed 's/^1$/0/')"
+check "validate_verdicts.sh: a wrong host under --pid -> rc 1" 1 \
+    "$(vv_e2e vv2 KINDS=cpu MODES=observed FAKE_VERDICT_FAULTS=cpu/pid=wrong_host)"
+check "validate_verdicts.sh: ... that row only" "cpu_all:PASS cpu_pid:FAIL" "$(vv_rows vv2)"
+check "validate_verdicts.sh: EXPECT overrides it" 0 \
+    "$(vv_e2e vv3 KINDS=cpu MODES=observed FAKE_VERDICT_FAULTS=cpu/pid=wrong_host EXPECT=cpu/pid=host_bound:waiting)"
+check "validate_verdicts.sh: a failing workload -> rc 1, SKIP leaves a run out" "1 gemm_cupti:FAIL" \
+    "$(vv_e2e vv4 KINDS=gemm SKIP=gemm/observed FAKE_WORKLOAD_FAIL=gemm) $(vv_rows vv4)"
+check "validate_verdicts.sh: ... says why" 0 "$(has "workload exit status 1" "$T/vv4.out/VERDICTS.md")"
 
 echo "$pass passed, $fail failed"
 ((fail == 0))

@@ -2,7 +2,7 @@
 # Quick GPU smoke test of the workloads alone (no observer, no root needed):
 # builds copies_kernels (both stream modes) and launch_bench, runs each with
 # small counts, runs cuda-ground-truth (if GROUND_TRUTH or .gpu-bundle has it) and
-# torch_loop with small counts, and prints their JSON.
+# torch_loop with small counts, and prints their JSON; then every bottleneck.py kind for 1 s.
 # usage: bash gpu/tests/smoke_workloads.sh [OUTDIR]
 set -euo pipefail
 
@@ -41,4 +41,8 @@ else
 fi
 timeout 300 "$PYTHON" "$GPU/workloads/torch_loop.py" --n 20 --m 3 "$OUTDIR/torch.json"
 cat "$OUTDIR/torch.json"
+for k in launch gemm transfer sync cpu cpu_inline sleep train; do
+    timeout 120 "$PYTHON" "$GPU/workloads/bottleneck.py" --kind "$k" --seconds 1 --out "$OUTDIR/bottleneck_$k.json"
+done
+log "bottleneck.py workloads ok"
 log "smoke ok"
