@@ -175,7 +175,9 @@ workload_args() {
     local v="ARGS_$1"
     local -a extra=()
     read -r -a extra <<<"${!v:-}"
-    printf '%s\n' ${WL_COMMON[@]+"${WL_COMMON[@]}"} ${extra[@]+"${extra[@]}"}
+    local -a all=(${WL_COMMON[@]+"${WL_COMMON[@]}"} ${extra[@]+"${extra[@]}"})
+    # Nothing at all must print nothing: one empty line would become an empty argument.
+    ((${#all[@]} == 0)) || printf '%s\n' "${all[@]}"
 }
 
 # bg_observer ROLE ERRFILE ARGS...: an observer in the background (SIGINT deliverable).

@@ -318,7 +318,11 @@ impl Verdict {
                 e.frac(e.sync_ns) * 100.0
             ));
         }
-        if e.copy_ns() > 0 {
+        // Copies below 1 % of the window are noise beside the rest, unless they decided it.
+        let copies_matter = e.frac(e.copy_ns()) >= 0.01
+            || self.class == Class::TransferBound
+            || self.secondary == Some(Class::TransferBound);
+        if e.copy_ns() > 0 && copies_matter {
             let mut c = format!("copies {:.0}%", e.frac(e.copy_ns()) * 100.0);
             for (d, arrow) in [(Direction::CpuToGpu, "H→D"), (Direction::GpuToCpu, "D→H")] {
                 if let Some(r) = e.copy_bytes_per_s(d) {

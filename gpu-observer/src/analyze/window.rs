@@ -37,9 +37,10 @@ struct Sample {
     busy_ns: Option<u64>,
     /// NVML's SM utilization samples of the process so far: (sum of percents, samples).
     nvml_sm: Option<(u64, u64)>,
-    /// When NVML lists the process alone on its GPUs: those GPUs, and their device
-    /// utilization samples so far (sum of percents, samples).
-    nvml_device: Option<(Vec<u32>, f64, u64)>,
+    /// The utilization samples of the GPUs NVML listed the process alone on, summed over the
+    /// ticks it was (sum of percents, samples): the process's busy time when no other process
+    /// shares its GPUs.
+    nvml_device: (f64, u64),
     /// (kernel, count, GPU ns) so far of the [`KERNELS_KEPT`] with the most GPU time, most
     /// first.
     kernels_top: Vec<(Arc<str>, u64, u64)>,
@@ -94,12 +95,22 @@ fn top_kernels(a: &Sample, b: &Sample) -> Vec<TopKernel> {
 }
 
 /// The evidence between two samples of one process.
-fn between(a: &Sample, b: &Sample) -> Evidence {
+/// A thread's CPU time is counted from `a`'s reading of it; a thread `a` did not read counts
+/// from its first reading (`first_read`: when, and how much) if that came after `a` — the CPU
+/// time it had before then is not known and not counted — and not at all otherwise (it was
+/// read before `a`, so its time before the window would be counted).
+fn between(a: &Sample, b: &Sample, first_read: &HashMap<u32, (u64, u64)>) -> Evidence {
     let launch_thread_cpu_ns = b
         .threads
         .iter()
         .filter_map(|(tid, now)| {
-            let then = a.threads.iter().find(|(t, _)| t == tid).map_or(0, |(_, c)| *c);
+            let then = match a.threads.iter().find(|(t, _)| t == tid) {
+                Some((_, c)) => *c,
+                None => match first_read.get(tid) {
+                    Some((at, c)) if *at > a.at_ns => *c,
+                    _ => return None,
+                },
+            };
             now.checked_sub(then)
         })
         .max()
@@ -108,8 +119,8 @@ fn between(a: &Sample, b: &Sample) -> Evidence {
     // CUPTI's exact busy time when the process has it; else, when the process had its GPUs to
     // itself, their utilization (NVML samples it every round); else the mean of NVML's
     // per-process samples (read every 10 s: they lag).
-    let alone = match (&a.nvml_device, &b.nvml_device) {
-        (Some((d0, sum0, n0)), Some((d, sum, n))) if d0 == d && n > n0 => Some((sum - sum0) / (n - n0) as f64),
+    let alone = match (a.nvml_device, b.nvml_device) {
+        ((sum0, n0), (sum, n)) if n > n0 => Some((sum - sum0) / (n - n0) as f64),
         _ => None,
     };
     let (gpu_busy_ns, busy_source) = match (b.busy_ns, alone, b.nvml_sm) {
@@ -166,6 +177,11 @@ pub struct ProcessVerdict {
 struct Tracked {
     first: Option<Sample>,
     recent: VecDeque<Sample>,
+    /// Each launching thread's first CPU reading: (when, CPU ns); at most
+    /// [`crate::correlate::MAX_LAUNCH_THREADS`] (the threads the snapshot lists).
+    first_read: HashMap<u32, (u64, u64)>,
+    /// The GPUs it was alone on at the last tick, and their utilization totals then.
+    alone: Option<(Vec<u32>, f64, u64)>,
 }
 
 /// Every observed process's samples, and the GPU time by class.
@@ -234,7 +250,7 @@ impl Tracker {
                 kernel_ns: p.gpu.as_ref().map_or(0, |g| g.stats.kernel_ns),
                 busy_ns: p.gpu.as_ref().map(|g| g.stats.busy_ns),
                 nvml_sm: snap.nvml.procs.get(&p.pid).map(|u| (u.sm_util_sum, u.sm_util_samples)),
-                nvml_device: alone_on(snap, p.pid),
+                nvml_device: last.map_or((0.0, 0), |s| s.nvml_device),
                 kernels_top: p
                     .gpu
                     .as_ref()
@@ -261,7 +277,24 @@ impl Tracker {
                     })
                     .collect(),
             };
+            let mut sample = sample;
             let t = self.procs.entry(p.pid).or_default();
+            // Device utilization while alone: what the GPUs sampled since the last tick, when
+            // the process was alone on the same GPUs then and now.
+            let now_alone = alone_on(snap, p.pid);
+            if let (Some((d0, sum0, n0)), Some((d, sum, n))) = (&t.alone, &now_alone)
+                && d0 == d
+                && n >= n0
+            {
+                sample.nvml_device.0 += sum - sum0;
+                sample.nvml_device.1 += n - n0;
+            }
+            t.alone = now_alone;
+            for (tid, cpu) in &sample.threads {
+                if t.first_read.len() < crate::correlate::MAX_LAUNCH_THREADS || t.first_read.contains_key(tid) {
+                    t.first_read.entry(*tid).or_insert((now_ns, *cpu));
+                }
+            }
             t.first.get_or_insert_with(|| sample.clone());
             while t.recent.len() >= MAX_SAMPLES
                 || t.recent
@@ -274,7 +307,7 @@ impl Tracker {
                 out.push(ProcessVerdict {
                     pid: p.pid,
                     comm: p.comm.clone(),
-                    verdict: classify(between(oldest, &sample)),
+                    verdict: classify(between(oldest, &sample, &t.first_read)),
                 });
             }
             t.recent.push_back(sample);
@@ -286,7 +319,7 @@ impl Tracker {
     pub fn whole_run(&self, pid: u32) -> Option<Verdict> {
         let t = self.procs.get(&pid)?;
         let (first, last) = (t.first.as_ref()?, t.recent.back()?);
-        (last.at_ns > first.at_ns).then(|| classify(between(first, last)))
+        (last.at_ns > first.at_ns).then(|| classify(between(first, last, &t.first_read)))
     }
 }
 
@@ -418,5 +451,22 @@ mod tests {
             (&*top[1].name, top[1].count, top[1].gpu_ns, top[1].exact),
             ("k0", Some(1), 50, true)
         );
+    }
+
+    #[test]
+    fn a_thread_counts_only_cpu_time_read_inside_the_window() {
+        let at = |at_ns, threads: &[(u32, u64)]| Sample {
+            at_ns,
+            threads: threads.to_vec(),
+            ..Sample::default()
+        };
+        let a = at(1_000, &[(10, 500)]);
+        let b = at(2_000, &[(10, 1_300), (11, 5_000), (12, 9_000)]);
+        // 11 was first read inside the window (at 1 500, with 4 600 ns): 400 ns count; 12 was
+        // read before the window but not by `a`: its 9 000 ns are not the window's.
+        let first: HashMap<u32, (u64, u64)> = [(10, (0, 0)), (11, (1_500, 4_600)), (12, (500, 100))].into();
+        assert_eq!(between(&a, &b, &first).launch_thread_cpu_ns, 800);
+        let only_new = at(2_000, &[(11, 5_000), (12, 9_000)]);
+        assert_eq!(between(&a, &only_new, &first).launch_thread_cpu_ns, 400);
     }
 }

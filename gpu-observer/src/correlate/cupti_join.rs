@@ -52,7 +52,7 @@ const MAX_TOP: usize = 1024;
 /// CUPTI kernel names remembered per process.
 const MAX_GPU_NAMES: usize = 65_536;
 /// Devices described per process (a node has at most a few dozen).
-const MAX_DEVICES: usize = 64;
+pub(super) const MAX_DEVICES: usize = 64;
 /// Kernels an exited process keeps in its top list.
 const EXITED_TOP: usize = 16;
 
@@ -212,33 +212,11 @@ pub struct GpuStats {
     pub first_gpu_ns: u64,
     pub last_gpu_ns: u64,
     /// Time at least one of the process's kernels, copies or memsets ran on a device, summed
-    /// over devices: the union of their intervals (overlapping work counted once). Exact when
-    /// records arrive in start order per device, as CUPTI delivers a stream's; a record that
-    /// starts before an earlier-delivered one ended only adds what lies past it.
+    /// over devices: the union of their intervals (overlapping work counted once; busy.rs).
     pub busy_ns: u64,
-    /// Per device, the end of the latest interval counted in `busy_ns` (at most MAX_DEVICES).
-    pub busy_until: Vec<(u32, u64)>,
 }
 
 impl GpuStats {
-    /// Adds one GPU interval to the busy union of its device.
-    fn busy(&mut self, device: u32, start_ns: u64, end_ns: u64) {
-        let at = match self.busy_until.iter().position(|(d, _)| *d == device) {
-            Some(i) => i,
-            None if self.busy_until.len() < MAX_DEVICES => {
-                self.busy_until.push((device, 0));
-                self.busy_until.len() - 1
-            }
-            None => return,
-        };
-        let until = &mut self.busy_until[at].1;
-        let from = start_ns.max(*until);
-        if end_ns > from {
-            self.busy_ns = self.busy_ns.saturating_add(end_ns - from);
-        }
-        *until = (*until).max(end_ns);
-    }
-
     /// Kernels by GPU time, most first.
     pub fn top_kernels(&self, n: usize) -> Vec<(&str, u64, u64)> {
         let mut v: Vec<(&str, u64, u64)> = self.by_kernel.iter().map(|(k, (c, ns))| (&**k, *c, *ns)).collect();
@@ -281,6 +259,8 @@ impl GpuActivity {
 pub struct GpuState {
     pub status: Status,
     pub stats: GpuStats,
+    /// What `stats.busy_ns` has counted (not in the snapshots: only its total is read).
+    busy: super::busy::BusyUnion,
     devices: HashMap<u32, Device>,
     names: HashMap<u64, Arc<KernelName>>,
     recent: HashMap<u32, VecDeque<Recent>>,
@@ -504,9 +484,11 @@ impl GpuState {
                 return;
             };
             let found = q.and_then(|q| {
-                let i = q.iter().position(|r| {
-                    same_family(r.api.family, family) && r.ts_ns >= rec.start_ns && r.ts_ns <= rec.end_ns
-                })?;
+                // A thread's calls are queued in time order: search only those inside the call.
+                let from = q.partition_point(|r| r.ts_ns < rec.start_ns);
+                let i = (from..q.len())
+                    .take_while(|&i| q[i].ts_ns <= rec.end_ns)
+                    .find(|&i| same_family(q[i].api.family, family))?;
                 q.remove(i)
             });
             (runtime_name(name), found)
@@ -516,11 +498,14 @@ impl GpuState {
                 return;
             };
             let found = q.and_then(|q| {
-                let i = q
-                    .iter()
-                    // By name, not address: `APIS` is a const, so two references to one entry
-                    // can point at different copies (seen in a release build: every join lost).
-                    .rposition(|r| r.api.name == spec.name && r.ts_ns <= rec.end_ns)?;
+                // A thread's calls are queued in time order: the latest that entered before the
+                // call ended is found from there, not by a walk over every later call (with
+                // CUPTI's records a second behind a 50 000 launch/s thread, that walk made the
+                // join quadratic and the reader fall behind).
+                let to = q.partition_point(|r| r.ts_ns <= rec.end_ns);
+                // By name, not address: `APIS` is a const, so two references to one entry
+                // can point at different copies (seen in a release build: every join lost).
+                let i = (0..to).rev().find(|&i| q[i].api.name == spec.name)?;
                 q.remove(i)
             });
             (name, found)
@@ -671,7 +656,9 @@ impl GpuState {
     ) {
         let s = &mut self.stats;
         let dur = rec.end_ns.saturating_sub(rec.start_ns);
-        s.busy(rec.device, rec.start_ns, rec.end_ns);
+        s.busy_ns = s
+            .busy_ns
+            .saturating_add(self.busy.add(rec.device, rec.start_ns, rec.end_ns));
         if s.first_gpu_ns == 0 || rec.start_ns < s.first_gpu_ns {
             s.first_gpu_ns = rec.start_ns;
         }
@@ -1046,16 +1033,5 @@ mod tests {
         let s = g.record(1, [0; 16], &st, &mut out, &mut c.pool()).expect("changed");
         assert_eq!((s.state, s.cupti_result), (Some(CuptiState::Busy), 39));
         assert_eq!(g.record(1, [0; 16], &st, &mut out, &mut c.pool()), None);
-    }
-
-    #[test]
-    fn busy_time_is_the_union_of_a_devices_intervals() {
-        let mut s = GpuStats::default();
-        s.busy(0, 100, 200);
-        s.busy(0, 150, 250); // overlaps: 50 more
-        s.busy(0, 300, 400);
-        s.busy(1, 100, 200); // another device: its own union
-        s.busy(0, 120, 180); // inside what is counted: nothing
-        assert_eq!(s.busy_ns, 100 + 50 + 100 + 100);
     }
 }

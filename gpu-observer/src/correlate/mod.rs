@@ -20,6 +20,7 @@ use crate::{
     rules,
 };
 
+mod busy;
 pub mod cupti_join;
 
 use cupti_join::{GpuActivity, GpuState, Pool, Recent, Status};
@@ -31,7 +32,7 @@ const MAX_NAMES: usize = 1 << 20;
 /// Distinct streams (and events, contexts) with their own sync counters per process.
 const MAX_SYNC_HANDLES: usize = 256;
 /// Threads whose launches are counted per process.
-const MAX_LAUNCH_THREADS: usize = 64;
+pub const MAX_LAUNCH_THREADS: usize = 64;
 /// Distinct ioctl commands counted per process.
 const MAX_IOCTL_CMDS: usize = 256;
 /// Exited processes whose counters are kept for the final summary (at most; see [`Budget`]).

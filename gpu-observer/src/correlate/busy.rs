@@ -1,0 +1,98 @@
+//! GPU busy time: the union of a process's kernel, copy and memset intervals per device.
+//!
+//! Records do not arrive in start order: the join holds a record back until its API record
+//! comes (cupti_join.rs, `pending`), so later records can be counted before earlier ones. The
+//! union therefore keeps the latest intervals it counted, merged and disjoint, and counts only
+//! the part of a new interval none of them covers. It keeps at most [`KEPT`] per device (and
+//! devices are bounded by the caller); past that the oldest are forgotten, and a record
+//! reaching back before the end of what was forgotten only counts what lies after it (a
+//! record that late may overlap forgotten work).
+
+use std::collections::BTreeMap;
+
+/// Merged intervals kept per device.
+pub const KEPT: usize = 512;
+use super::cupti_join::MAX_DEVICES;
+
+#[derive(Clone, Debug, Default)]
+pub struct BusyUnion {
+    devices: BTreeMap<u32, Device>,
+}
+
+#[derive(Clone, Debug, Default)]
+struct Device {
+    /// start → end, disjoint.
+    kept: BTreeMap<u64, u64>,
+    /// The end of the latest interval forgotten: nothing before it counts again.
+    floor: u64,
+}
+
+impl BusyUnion {
+    /// Adds `[start, end)` on `device`; returns how much of it was not busy yet.
+    pub fn add(&mut self, device: u32, start: u64, end: u64) -> u64 {
+        if !self.devices.contains_key(&device) && self.devices.len() >= MAX_DEVICES {
+            return 0;
+        }
+        let d = self.devices.entry(device).or_default();
+        let start = start.max(d.floor);
+        if end <= start {
+            return 0;
+        }
+        // The kept intervals that overlap or touch [start, end]: the last one starting at or
+        // before `start`, then those starting inside.
+        let mut hit: Vec<(u64, u64)> = Vec::new();
+        if let Some((&s, &e)) = d.kept.range(..=start).next_back()
+            && e >= start
+        {
+            hit.push((s, e));
+        }
+        hit.extend(d.kept.range(start.saturating_add(1)..=end).map(|(&s, &e)| (s, e)));
+        let covered: u64 = hit.iter().map(|&(s, e)| e.min(end).saturating_sub(s.max(start))).sum();
+        let (mut lo, mut hi) = (start, end);
+        for (s, e) in hit {
+            d.kept.remove(&s);
+            lo = lo.min(s);
+            hi = hi.max(e);
+        }
+        d.kept.insert(lo, hi);
+        while d.kept.len() > KEPT {
+            let Some((_, e)) = d.kept.pop_first() else { break };
+            d.floor = d.floor.max(e);
+        }
+        (end - start) - covered
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_union_counts_overlaps_once_in_any_order() {
+        let mut u = BusyUnion::default();
+        assert_eq!(u.add(0, 300, 400), 100);
+        // Earlier, delivered later (held back for its API record): all of it counts.
+        assert_eq!(u.add(0, 100, 200), 100);
+        assert_eq!(u.add(0, 150, 250), 50);
+        assert_eq!(u.add(0, 120, 180), 0);
+        // Bridging two intervals: only the gap.
+        assert_eq!(u.add(0, 240, 310), 50);
+        assert_eq!(u.add(1, 100, 200), 100, "another device: its own union");
+        assert_eq!(u.add(0, 50, 500), 50 + 100);
+        assert_eq!(u.add(0, 500, 500), 0);
+        assert_eq!(u.add(0, 600, 550), 0);
+    }
+
+    #[test]
+    fn it_keeps_a_bounded_number_of_intervals_and_never_recounts_forgotten_time() {
+        let mut u = BusyUnion::default();
+        for i in 0..KEPT as u64 + 10 {
+            assert_eq!(u.add(0, i * 10, i * 10 + 5), 5);
+        }
+        assert_eq!(u.devices[&0].kept.len(), KEPT);
+        assert_eq!(u.devices[&0].floor, 95);
+        // The first ten were forgotten: a record over them counts only from the tenth's end
+        // (95) to the kept interval at 100.
+        assert_eq!(u.add(0, 0, 100), 5);
+    }
+}
