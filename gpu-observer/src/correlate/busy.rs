@@ -1,9 +1,10 @@
 //! GPU busy time: the union of a process's kernel, copy and memset intervals per device.
 //!
-//! Records do not arrive in start order: the join holds a record back until its API record
-//! comes (cupti_join.rs, `pending`), so later records can be counted before earlier ones. The
-//! union therefore keeps the latest intervals it counted, merged and disjoint, and counts only
-//! the part of a new interval none of them covers. It keeps at most [`KEPT`] per device (and
+//! Records are counted as CUPTI delivers them (before the join, which holds a record back
+//! until its API record comes, a buffer later at times): nearly in time order, but not exactly
+//! (streams complete out of order, copies and kernels interleave). The union therefore keeps
+//! the latest intervals it counted, merged and disjoint, and counts only the part of a new
+//! interval none of them covers. It keeps at most [`KEPT`] per device (and
 //! devices are bounded by the caller); past that the oldest are forgotten, and a record
 //! reaching back before the end of what was forgotten only counts what lies after it (a
 //! record that late may overlap forgotten work).

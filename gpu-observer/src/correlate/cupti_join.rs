@@ -464,6 +464,10 @@ impl GpuState {
                 None
             }
             GpuRecordKind::Kernel | GpuRecordKind::Memcpy | GpuRecordKind::Memset => {
+                // Busy time as CUPTI delivers the records (nearly in time order), not as they
+                // are joined: a record waits for its API record, which can come a buffer later.
+                let added = self.busy.add(rec.device, rec.start_ns, rec.end_ns);
+                self.stats.busy_ns = self.stats.busy_ns.saturating_add(added);
                 if let Some(o) = self.origins.get(&rec.correlation_id).cloned() {
                     self.emit(pid, comm, *rec, Some(o), out, pool);
                 } else {
@@ -656,9 +660,6 @@ impl GpuState {
     ) {
         let s = &mut self.stats;
         let dur = rec.end_ns.saturating_sub(rec.start_ns);
-        s.busy_ns = s
-            .busy_ns
-            .saturating_add(self.busy.add(rec.device, rec.start_ns, rec.end_ns));
         if s.first_gpu_ns == 0 || rec.start_ns < s.first_gpu_ns {
             s.first_gpu_ns = rec.start_ns;
         }
