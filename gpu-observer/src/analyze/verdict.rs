@@ -122,8 +122,9 @@ pub struct Evidence {
     /// CUDA calls of any kind (launches included).
     pub calls: u64,
     pub launches: u64,
-    /// Time the process's work ran on its GPUs, when known, and from where.
-    pub gpu_busy_ns: Option<u64>,
+    /// The fraction of the window the process's work ran on its GPUs (0 to 1), when known,
+    /// and from where.
+    pub gpu_busy: Option<f64>,
     pub busy_source: BusySource,
     /// Kernels that ran, and their summed GPU time (for the mean kernel time).
     pub kernels: u64,
@@ -155,7 +156,7 @@ impl Evidence {
 
     /// GPU busy fraction (`None` when unknown: the rules that need it do not hold).
     pub fn gpu_busy(&self) -> Option<f64> {
-        self.gpu_busy_ns.map(|b| self.frac(b).min(1.0))
+        self.gpu_busy
     }
 
     pub fn per_s(&self, n: u64) -> f64 {
@@ -170,8 +171,8 @@ impl Evidence {
     /// GPU busy time per launch: the mean kernel time's stand-in without CUPTI (it also counts
     /// copies and overlapping kernels once).
     pub fn busy_ns_per_launch(&self) -> Option<f64> {
-        let busy = self.gpu_busy_ns?;
-        (self.launches > 0).then(|| busy as f64 / self.launches as f64)
+        let busy = self.gpu_busy? * self.window_ns as f64;
+        (self.launches > 0).then(|| busy / self.launches as f64)
     }
 
     /// The kernel time the launch rule compares with the launch interval: CUPTI's mean kernel
@@ -405,7 +406,7 @@ mod tests {
         Evidence {
             window_ns: S,
             calls: 10,
-            gpu_busy_ns: Some((busy * S as f64) as u64),
+            gpu_busy: Some(busy),
             busy_source: BusySource::Cupti,
             ..Evidence::default()
         }
@@ -516,7 +517,7 @@ mod tests {
         // Without a GPU busy signal no GPU rule can hold.
         assert_eq!(
             class(Evidence {
-                gpu_busy_ns: None,
+                gpu_busy: None,
                 ..busy(0.0)
             }),
             Class::Mixed
@@ -575,7 +576,7 @@ mod tests {
         assert_eq!(class(long), Class::HostBound);
         // Busy at exactly 50 %: not launch-bound (and not host-bound either).
         let half = Evidence {
-            gpu_busy_ns: Some(S / 2),
+            gpu_busy: Some(0.5),
             ..launch_loop()
         };
         assert_eq!(class(half), Class::Mixed);
@@ -601,7 +602,7 @@ mod tests {
         // No busy signal at all: the rule cannot hold.
         let blind = Evidence {
             kernels: 0,
-            gpu_busy_ns: None,
+            gpu_busy: None,
             ..launch_loop()
         };
         assert_eq!(class(blind), Class::Mixed);
@@ -625,7 +626,7 @@ mod tests {
         );
         assert_eq!(
             class(Evidence {
-                gpu_busy_ns: Some(S / 2),
+                gpu_busy: Some(0.5),
                 ..e
             }),
             Class::Mixed

@@ -123,18 +123,19 @@ fn between(a: &Sample, b: &Sample, first_read: &HashMap<u32, (u64, u64)>) -> Evi
         ((sum0, n0), (sum, n)) if n > n0 => Some((sum - sum0) / (n - n0) as f64),
         _ => None,
     };
-    let (gpu_busy_ns, busy_source) = match (b.busy_ns, alone, b.nvml_sm) {
-        (Some(n), ..) => (Some(n.saturating_sub(a.busy_ns.unwrap_or(0))), BusySource::Cupti),
-        (None, Some(pct), _) => (
-            Some((pct.clamp(0.0, 100.0) / 100.0 * window_ns as f64) as u64),
-            BusySource::NvmlDevice,
-        ),
+    // A fraction, not ns: NVML's percent × the window would truncate (70 % read as 69.99…).
+    let (gpu_busy, busy_source) = match (b.busy_ns, alone, b.nvml_sm) {
+        (Some(n), ..) => {
+            let ns = n.saturating_sub(a.busy_ns.unwrap_or(0));
+            (Some(ns as f64 / window_ns.max(1) as f64), BusySource::Cupti)
+        }
+        (None, Some(pct), _) => (Some(pct / 100.0), BusySource::NvmlDevice),
         (None, None, Some((sum, n))) => {
             let (sum0, n0) = a.nvml_sm.unwrap_or((0, 0));
             match n.checked_sub(n0).filter(|d| *d > 0) {
                 Some(samples) => {
                     let pct = sum.saturating_sub(sum0) as f64 / samples as f64;
-                    (Some((pct / 100.0 * window_ns as f64) as u64), BusySource::Nvml)
+                    (Some(pct / 100.0), BusySource::Nvml)
                 }
                 None => (None, BusySource::None),
             }
@@ -146,7 +147,7 @@ fn between(a: &Sample, b: &Sample, first_read: &HashMap<u32, (u64, u64)>) -> Evi
         busy_source,
         calls: b.calls.saturating_sub(a.calls),
         launches: b.launches.saturating_sub(a.launches),
-        gpu_busy_ns,
+        gpu_busy: gpu_busy.map(|b| b.clamp(0.0, 1.0)),
         kernels: b.kernels.saturating_sub(a.kernels),
         kernel_ns: b.kernel_ns.saturating_sub(a.kernel_ns),
         top_kernels: top_kernels(a, b),
