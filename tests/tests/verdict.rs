@@ -11,8 +11,9 @@
 //! marker) before the scripted loop, so the whole run holds the loop's calls and nothing else.
 //!
 //! GPU busy time: from the fake CUPTI under `run` (a kernel runs 1 µs per grid block; the
-//! union of the intervals, exact), or from the fake NVML's per-process SM utilization (the
-//! scripted percentage, every sample).
+//! union of the intervals, exact); without CUPTI from the fake NVML: the device's utilization
+//! (FAKE_NVML_GPU_UTIL) when the process is alone on it (`nvml_device`), else the process's SM
+//! utilization from FAKE_NVML_PROCS (`nvml`); both scripted, the same at every sample.
 
 use std::{ffi::OsStr, path::Path, time::Duration};
 
@@ -77,18 +78,23 @@ fn run_with_cupti(dir: &Path, lib: &Path, env: &[(&str, &str)]) -> RunAgent {
     r
 }
 
-/// The agent with the fake NVML saying each (pid, SM %) of `procs` runs on device 0 with that
-/// SM utilization; `--pid` the first one when `follow`, else every process (the fake libcuda
-/// `lib` attached up front).
-fn nvml_agent(dir: &Path, procs: &[(u32, u32)], follow: bool, lib: &Path) -> Agent {
+/// A pid the fake NVML lists on device 0 beside a test's processes, so that none of them has the
+/// device to itself: the busy fraction is then NVML's per-process SM utilization (`nvml`).
+/// A process alone on its device is judged by the device's utilization (`nvml_device`).
+const SHARER: u32 = 1;
+
+/// The agent with the fake NVML listing `procs` (pid, device, SM %) and each device's GPU
+/// utilization scripted by `gpu_util` (FAKE_NVML_GPU_UTIL, "" for the fake's formula); `--pid`
+/// `follow`, else every process (the fake libcuda `lib` attached up front).
+fn nvml_agent(dir: &Path, procs: &[(u32, u32, u32)], gpu_util: &str, follow: Option<u32>, lib: &Path) -> Agent {
     let file = dir.join("procs.txt");
     let rows: String = procs
         .iter()
-        .map(|(pid, sm)| format!("{pid} 0 1048576 {sm}\n"))
+        .map(|(pid, dev, sm)| format!("{pid} {dev} 1048576 {sm}\n"))
         .collect();
     std::fs::write(&file, rows).unwrap();
     let nvml = fixtures().join("nvml/libnvidia-ml.so.1");
-    let first = procs[0].0.to_string();
+    let pid = follow.map(|p| p.to_string()).unwrap_or_default();
     let mut args = vec![
         "--interval-ms",
         "100",
@@ -97,14 +103,28 @@ fn nvml_agent(dir: &Path, procs: &[(u32, u32)], follow: bool, lib: &Path) -> Age
         "--nvml-interval-ms",
         "50",
     ];
-    if follow {
-        args.extend(["--pid", &first]);
+    if follow.is_some() {
+        args.extend(["--pid", &pid]);
     } else {
         args.extend(["--libcuda", lib.to_str().unwrap()]);
     }
-    let agent = Agent::start_with_env(dir, &args, &[("FAKE_NVML_PROCS", file.to_str().unwrap())]);
-    if follow {
+    let agent = Agent::start_with_env(
+        dir,
+        &args,
+        &[
+            ("FAKE_NVML_PROCS", file.to_str().unwrap()),
+            ("FAKE_NVML_GPU_UTIL", gpu_util),
+        ],
+    );
+    if let Some(pid) = follow {
         agent.wait_stderr("attached", Duration::from_secs(10));
+        // NVML lists the process before its first observed call: a window whose first sample
+        // has no listing cannot tell it was alone on its GPU, and is judged by the process's
+        // own SM samples for as long as that sample starts its windows (the whole run here).
+        agent.wait_line(
+            |l| l["type"] == "nvml" && l["scope"] == "process" && l["pid"] == pid,
+            Duration::from_secs(20),
+        );
     }
     agent
 }
@@ -126,19 +146,82 @@ fn is_verdict_of(pid: u32) -> impl Fn(&Value) -> bool {
 
 const FIRST_VERDICT_WITHIN: Duration = Duration::from_secs(20);
 
+/// The evidence's copies in one direction: (count, bytes, GB/s).
+fn copies(v: &Value, dir: &str) -> (u64, u64, Option<f64>) {
+    let c = &v["evidence"]["copies"][dir];
+    (
+        c["count"].as_u64().unwrap_or_else(|| panic!("no copies.{dir}: {v}")),
+        c["bytes"].as_u64().unwrap(),
+        c["gb_per_s"].as_f64(),
+    )
+}
+
+/// The evidence's top kernels: (name, count, GPU ns), each exact.
+fn top_kernels(v: &Value) -> Vec<(String, u64, u64)> {
+    v["evidence"]["top_kernels"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no top_kernels: {v}"))
+        .iter()
+        .map(|k| {
+            assert_eq!(k["exact"], true, "{v}");
+            (
+                k["name"].as_str().unwrap().to_string(),
+                k["count"].as_u64().unwrap(),
+                k["gpu_ns"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// What every verdict says whatever its class: the idle fraction is the busy one's complement,
+/// the call rate is the calls over the window, and the host is CPU-busy from half a core.
+fn assert_consistent(v: &Value) {
+    let e = &v["evidence"];
+    match e["gpu_busy"].as_f64() {
+        Some(busy) => assert!((num(v, "gpu_idle") - (1.0 - busy)).abs() <= 1e-4, "{v}"),
+        None => assert_eq!(e["gpu_idle"], Value::Null, "{v}"),
+    }
+    let calls = e["calls"].as_u64().unwrap() as f64;
+    assert!(
+        (num(v, "calls_per_s") * window_s(v) - calls).abs() <= 0.05 * window_s(v) + 1e-6,
+        "{v}"
+    );
+    let host = if num(v, "process_cpu") >= 0.5 {
+        "cpu_busy"
+    } else {
+        "waiting"
+    };
+    assert_eq!(e["host"], host, "{v}");
+}
+
+/// Runs the workload's main thread at nice -10. The launch rule reads the launching thread's
+/// CPU time over the wall time; the scenario is a thread saturated by its own launches, and
+/// on a loaded 2-core machine one at nice 0 gets ~40 % of a core (seen with two other
+/// CPU-bound processes), which is a starved thread, not a launch-bound one.
+fn favour(pid: u32) {
+    // SAFETY: setpriority has no memory arguments; `pid` is our child's thread id (the main
+    // thread's id is the process id).
+    let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, pid, -10) };
+    assert_eq!(rc, 0, "setpriority({pid}): {}", std::io::Error::last_os_error());
+}
+
 #[test]
 fn a_tight_launch_loop_of_tiny_kernels_is_launch_bound() {
     let _g = serial();
     require_root();
     let dir = scratch("verdict-launch");
     let lib = fresh_lib(&dir, "libcuda.so.1");
-    // 50 µs of CPU a launch: ~20 000 launches/s from one saturated thread.
-    let mut r = run_with_cupti(&dir, &lib, &[("FAKE_CUDA_LAUNCH_SPIN_NS", "50000")]);
+    // 200 µs of CPU a launch: ~5000 launches/s from one saturated thread (few enough that the
+    // agent, on the same 2 cores, leaves that thread its core).
+    let mut r = run_with_cupti(&dir, &lib, &[("FAKE_CUDA_LAUNCH_SPIN_NS", "200000")]);
     let pid = r.pid;
     r.cmd("init");
+    favour(pid);
     // ~1 µs kernels (the fake CUPTI's: 1 µs per grid block), as fast as one thread launches
-    // them (50 µs of CPU each): ~5 s, many ticks.
-    r.cmd("burst 100000");
+    // them: ~6 s, many ticks. (The whole run's thread CPU comes out up to ~0.35 s short: the
+    // CPU time of a sample is read at its tick, up to a snapshot interval after the sample's
+    // time, and an exited process keeps its last reading; 6 s keeps that under 6 %.)
+    r.cmd("burst 30000");
     let cap = r.finish();
     let err = cap.stderr.join("\n");
     let verdicts = verdict_lines(&cap, pid);
@@ -151,10 +234,53 @@ fn a_tight_launch_loop_of_tiny_kernels_is_launch_bound() {
         assert!(num(v, "mean_kernel_ns") < num(v, "mean_launch_interval_ns"), "{v}");
         assert!(v["hint"].as_str().unwrap().contains("CUDA graphs"), "{v}");
     }
-    let summary = cap.process_summary(pid);
-    assert_eq!(summary["verdict"]["class"], "launch_bound", "{}", summary["verdict"]);
+    let v = &cap.process_summary(pid)["verdict"];
+    assert_eq!(v["class"], "launch_bound", "{v}");
+    assert_consistent(v);
+    // The GPU idles: host_bound holds next; the host is busy launching.
+    assert_eq!(v["secondary"], "host_bound", "{v}");
+    assert_eq!(v["evidence"]["host"], "cpu_busy", "{v}");
+    // Every kernel is the unnamed 1 µs one.
+    let top = top_kernels(v);
+    assert_eq!(top.len(), 1, "{v}");
+    assert_eq!(top[0].0, "fake_kernel", "{v}");
+    assert_eq!(top[0].2, top[0].1 * 1000, "{v}");
+    assert!(top[0].1 <= 30_000, "{v}");
+    assert_eq!(v["evidence"]["mean_kernel_ns"], 1000, "{v}");
 }
 
+/// The same tight loop without CUPTI, the process alone on a GPU that NVML says is 5 % busy:
+/// the GPU busy time per launch stands in for the kernel time.
+#[test]
+fn without_cupti_a_tight_launch_loop_on_an_idle_gpu_is_launch_bound_by_busy_time_per_launch() {
+    let _g = serial();
+    require_root();
+    let dir = scratch("verdict-launch-nvml");
+    let lib = fresh_lib(&dir, "libcuda.so.1");
+    let mut w = initialized_workload(&lib, &[("FAKE_CUDA_LAUNCH_SPIN_NS", "200000")]);
+    let pid = w.pid;
+    favour(pid);
+    let agent = nvml_agent(&dir, &[(pid, 0, 50)], "5", Some(pid), &lib);
+    w.cmd("burst 30000");
+    w.exit();
+    let cap = agent.finish();
+    let v = assert_class(&cap, pid, "launch_bound");
+    assert_consistent(v);
+    assert_eq!(v["secondary"], "host_bound", "{v}");
+    // The device's utilization, not the process's 50 % SM samples: it has the GPU to itself.
+    assert_eq!(v["evidence"]["gpu_busy_source"], "nvml_device", "{v}");
+    assert_eq!(num(v, "gpu_busy"), 0.05, "{v}");
+    assert_eq!(v["evidence"]["mean_kernel_ns"], Value::Null, "{v}");
+    assert!(num(v, "launch_thread_cpu") >= 0.8, "{v}");
+    let (per_launch, interval) = (num(v, "busy_ns_per_launch"), num(v, "mean_launch_interval_ns"));
+    assert!(per_launch < interval, "{v}");
+    // 5 % of the time between launches.
+    assert!((per_launch - 0.05 * interval).abs() <= 1.0, "{v}");
+    assert_eq!(v["evidence"]["top_kernels"], serde_json::json!([]), "{v}");
+}
+
+/// A tight launch loop on a GPU that NVML says this process keeps 90 % busy (its per-process SM
+/// samples: another process shares the device) is gpu_bound.
 #[test]
 fn without_cupti_nvml_says_how_busy_the_gpu_is_and_a_busy_gpu_is_gpu_bound() {
     let _g = serial();
@@ -162,10 +288,9 @@ fn without_cupti_nvml_says_how_busy_the_gpu_is_and_a_busy_gpu_is_gpu_bound() {
     let dir = scratch("verdict-nvml");
     let lib = fresh_lib(&dir, "libcuda.so.1");
     let mut w = initialized_workload(&lib, &[("FAKE_CUDA_LAUNCH_SPIN_NS", "50000")]);
-    // The fake NVML says the process keeps the SMs 90 % busy.
-    let agent = nvml_agent(&dir, &[(w.pid, 90)], true, &lib);
-    w.cmd("burst 60000");
     let pid = w.pid;
+    let agent = nvml_agent(&dir, &[(pid, 0, 90), (SHARER, 0, 0)], "", Some(pid), &lib);
+    w.cmd("burst 60000");
     w.exit();
     let cap = agent.finish();
     let verdicts: Vec<&Value> = verdict_lines(&cap, pid)
@@ -181,6 +306,11 @@ fn without_cupti_nvml_says_how_busy_the_gpu_is_and_a_busy_gpu_is_gpu_bound() {
         assert_eq!(v["class"], "gpu_bound", "{v}");
         assert!((num(v, "gpu_busy") - 0.9).abs() < 0.01, "{v}");
     }
+    let v = assert_class(&cap, pid, "gpu_bound");
+    assert_consistent(v);
+    assert_eq!(v["evidence"]["gpu_busy_source"], "nvml", "{v}");
+    assert_eq!(num(v, "gpu_busy"), 0.9, "{v}");
+    assert_eq!(v["secondary"], Value::Null, "{v}");
 }
 
 /// A 30 ms and a 10 ms kernel, each followed by a sleep 50 µs longer than it runs: the kernels
@@ -198,24 +328,33 @@ fn kernels_that_keep_the_gpu_busy_are_gpu_bound_by_cupti() {
         loop_done(&r.cmd("loop 3000 launch:30000:big_kernel sleep:30050 launch:10000:small_kernel sleep:10050"));
     let cap = r.finish();
     let v = assert_class(&cap, pid, "gpu_bound");
+    assert_consistent(v);
     assert_eq!(v["secondary"], Value::Null, "{v}");
     assert_eq!(v["evidence"]["gpu_busy_source"], "cupti", "{v}");
     let busy = num(v, "gpu_busy");
     assert!((0.7..=1.0).contains(&busy), "{v}");
     assert!(v["hint"].as_str().unwrap().contains("top kernels"), "{v}");
-    // Kernels of 30 and 10 ms alternate: their mean is 20 ms, off by at most 10 ms over the
-    // number of kernels in the window when it holds one big kernel more or fewer.
-    let mean = num(v, "mean_kernel_ns");
-    assert!((mean - 20e6).abs() <= 10e6 / (iterations as f64), "{v}");
-    // The kernels never overlap, so the busy time is their GPU time: a whole number of them,
-    // at most the 2 a loop iteration launched.
-    let kernels = busy * window_s(v) * 1e9 / mean;
+    // The top kernels, by GPU time: every run of each took exactly its 30 or 10 ms; they
+    // alternate, so the window holds as many of each, give or take one, and at most a pass's.
+    let top = top_kernels(v);
+    assert_eq!(top.len(), 2, "{v}");
+    let ((big, nb, big_ns), (small, ns, small_ns)) = (&top[0], &top[1]);
+    assert_eq!((big.as_str(), small.as_str()), ("big_kernel", "small_kernel"), "{v}");
+    assert_eq!((*big_ns, *small_ns), (nb * 30_000_000, ns * 10_000_000), "{v}");
     assert!(
-        kernels <= (2 * iterations) as f64 + 0.5,
-        "{kernels} kernels, {iterations} iterations: {v}"
+        nb.abs_diff(*ns) <= 1 && *nb <= iterations && *ns <= iterations,
+        "{iterations}: {v}"
     );
-    // The launching thread sleeps.
+    // Their mean, and — as they never overlap — the busy time is their GPU time.
+    let gpu_ns = (big_ns + small_ns) as f64;
+    assert!(
+        (num(v, "mean_kernel_ns") - gpu_ns / (nb + ns) as f64).abs() <= 0.5,
+        "{v}"
+    );
+    assert!((busy - gpu_ns / (window_s(v) * 1e9)).abs() <= 1e-4, "{v}");
+    // The launching thread sleeps: the host waits.
     assert!(num(v, "launch_thread_cpu") < 0.5, "{v}");
+    assert_eq!(v["evidence"]["host"], "waiting", "{v}");
     // Every verdict line at least 2 s long sees the loop: gpu_bound.
     for l in verdict_lines(&cap, pid).iter().filter(|l| window_s(l) >= 2.0) {
         assert_eq!(l["class"], "gpu_bound", "{l}");
@@ -239,6 +378,7 @@ fn a_sync_after_every_tiny_kernel_is_sync_bound() {
     let (iterations, elapsed_us) = loop_done(&r.cmd("loop 3000 launch:1 sync"));
     let cap = r.finish();
     let v = assert_class(&cap, pid, "sync_bound");
+    assert_consistent(v);
     // The GPU is idle too: host_bound holds next.
     assert_eq!(v["secondary"], "host_bound", "{v}");
     assert_eq!(v["evidence"]["gpu_busy_source"], "cupti", "{v}");
@@ -262,17 +402,24 @@ fn a_sync_after_every_tiny_kernel_is_sync_bound() {
     assert!(blocked <= elapsed_us as f64 / (w * 1e6) + 1e-4, "{v}");
     // 1 µs kernels, exactly, one an iteration, never overlapping: the busy time is theirs.
     assert_eq!(v["evidence"]["mean_kernel_ns"], 1000, "{v}");
+    assert_eq!(
+        top_kernels(v),
+        [("fake_kernel".to_string(), iterations, iterations * 1000)],
+        "{v}"
+    );
     assert!(
         (num(v, "gpu_busy") - iterations as f64 * 1e3 / (w * 1e9)).abs() <= 1e-4,
         "{v}"
     );
     assert!(num(v, "launch_thread_cpu") < 0.5, "{v}");
+    assert_eq!(v["evidence"]["host"], "waiting", "{v}");
     assert!(v["hint"].as_str().unwrap().contains("synchronizations"), "{v}");
 }
 
 /// Copies of 1 MiB each way from pageable (malloc) memory at 1000 MB/s (the fake libcuda's
-/// FAKE_CUDA_COPY_MB_PER_S: each copy sleeps ~1.05 ms), back to back; NVML says the SMs are 10 %
-/// busy. The whole run holds the loop's copies alone: exact counts.
+/// FAKE_CUDA_COPY_MB_PER_S: each copy sleeps ~1.05 ms), back to back, the process alone on a GPU
+/// NVML says is 10 % busy, on a PCIe 5.0 x16 link. The whole run holds the loop's copies alone:
+/// exact counts.
 #[test]
 fn copies_that_take_most_of_the_time_are_transfer_bound() {
     let _g = serial();
@@ -281,7 +428,7 @@ fn copies_that_take_most_of_the_time_are_transfer_bound() {
     let lib = fresh_lib(&dir, "libcuda.so.1");
     let mut w = initialized_workload(&lib, &[("FAKE_CUDA_COPY_MB_PER_S", "1000")]);
     let pid = w.pid;
-    let agent = nvml_agent(&dir, &[(pid, 10)], true, &lib);
+    let agent = nvml_agent(&dir, &[(pid, 0, 50)], "10", Some(pid), &lib);
     // The marker: one launch, then two samples before the loop.
     w.cmd("burst 1");
     agent.wait_line(is_verdict_of(pid), FIRST_VERDICT_WITHIN);
@@ -289,21 +436,36 @@ fn copies_that_take_most_of_the_time_are_transfer_bound() {
     w.exit();
     let cap = agent.finish();
     let v = assert_class(&cap, pid, "transfer_bound");
-    // NVML's 10 %: the GPU is idle enough for host_bound to hold next.
+    assert_consistent(v);
+    // NVML's 10 %: the GPU is idle enough for host_bound to hold next; the host waits.
     assert_eq!(v["secondary"], "host_bound", "{v}");
-    assert_eq!(v["evidence"]["gpu_busy_source"], "nvml", "{v}");
+    assert_eq!(v["evidence"]["gpu_busy_source"], "nvml_device", "{v}");
     assert_eq!(num(v, "gpu_busy"), 0.1, "{v}");
-    // Exactly the loop's calls: 2 copies an iteration.
+    assert_eq!(v["evidence"]["host"], "waiting", "{v}");
+    // Exactly the loop's calls: 2 copies an iteration, 1 MiB each way, all pageable.
     assert_eq!(v["evidence"]["calls"], 2 * iterations, "{v}");
     assert_eq!(num(v, "launches_per_s"), 0.0, "{v}");
-    // Each copy takes at least 1 048 576 ns (1 MiB at 1000 MB/s); all of them at most the
-    // loop's time.
+    let (up, down) = (copies(v, "cpu_to_gpu"), copies(v, "gpu_to_cpu"));
+    assert_eq!((up.0, up.1), (iterations, iterations * 1_048_576), "{v}");
+    assert_eq!((down.0, down.1), (iterations, iterations * 1_048_576), "{v}");
+    for dir in ["gpu_to_gpu", "unknown"] {
+        assert_eq!(copies(v, dir), (0, 0, None), "{v}");
+    }
+    assert_eq!(num(v, "pageable_share"), 1.0, "{v}");
+    // Each copy sleeps at least its bytes' time at 1 GB/s: at most 1 GB/s achieved each way.
+    for (_, _, rate) in [up, down] {
+        let rate = rate.unwrap_or_else(|| panic!("no rate: {v}"));
+        assert!(rate > 0.25 && rate <= 1.0005, "{v}");
+    }
+    // PCIe 5.0 x16: 32 GT/s × 16 lanes × 128/130, in bytes.
+    assert_eq!(num(v, "link_gb_per_s"), 63.015, "{v}");
+    // The copies' time: at least their nominal time, at most the loop's.
     let (window_ns, copy) = (window_s(v) * 1e9, num(v, "copy_fraction"));
     assert!(copy >= 0.5, "{v}");
     assert!(copy >= (2 * iterations * 1_048_576) as f64 / window_ns - 1e-4, "{v}");
     assert!(copy <= elapsed_us as f64 * 1e3 / window_ns + 1e-4, "{v}");
     assert!(v["hint"].as_str().unwrap().contains("pinned host memory"), "{v}");
-    // The summary's copy counters agree: every byte each way, all pageable.
+    // The summary's copy counters agree.
     let m = &cap.process_summary(pid)["memcpy"];
     for dir in ["cpu_to_gpu", "gpu_to_cpu"] {
         assert_eq!(m[dir]["count"], iterations, "{m}");
@@ -317,7 +479,7 @@ fn copies_that_take_most_of_the_time_are_transfer_bound() {
 }
 
 /// Host work on other threads (two spinning threads) while the launching thread sleeps 10 ms
-/// between tiny launches; NVML says the SMs are 5 % busy.
+/// between tiny launches, alone on a GPU NVML says is 5 % busy.
 #[test]
 fn a_starved_gpu_beside_a_busy_cpu_is_host_bound_cpu_busy() {
     let _g = serial();
@@ -326,15 +488,17 @@ fn a_starved_gpu_beside_a_busy_cpu_is_host_bound_cpu_busy() {
     let lib = fresh_lib(&dir, "libcuda.so.1");
     let mut w = initialized_workload(&lib, &[]);
     let pid = w.pid;
-    let agent = nvml_agent(&dir, &[(pid, 5)], true, &lib);
+    let agent = nvml_agent(&dir, &[(pid, 0, 50)], "5", Some(pid), &lib);
     loop_done(&w.cmd("loop 2500 spinners:2 launch:1 sleep:10000"));
     w.exit();
     let cap = agent.finish();
     let v = assert_class(&cap, pid, "host_bound");
+    assert_consistent(v);
     assert_eq!(v["secondary"], Value::Null, "{v}");
-    assert_eq!(v["evidence"]["gpu_busy_source"], "nvml", "{v}");
+    assert_eq!(v["evidence"]["gpu_busy_source"], "nvml_device", "{v}");
     assert_eq!(num(v, "gpu_busy"), 0.05, "{v}");
     // The process keeps a CPU busy; the launching thread does not.
+    assert_eq!(v["evidence"]["host"], "cpu_busy", "{v}");
     assert!(num(v, "process_cpu") >= 0.5, "{v}");
     assert!(num(v, "launch_thread_cpu") < 0.3, "{v}");
     assert!(v["hint"].as_str().unwrap().contains("the GPU waits for the CPU"), "{v}");
@@ -353,18 +517,22 @@ fn a_starved_gpu_beside_an_idle_cpu_is_host_bound_waiting() {
     let (iterations, _) = loop_done(&r.cmd("loop 2500 launch:100 sleep:10000"));
     let cap = r.finish();
     let v = assert_class(&cap, pid, "host_bound");
+    assert_consistent(v);
     assert_eq!(v["secondary"], Value::Null, "{v}");
     assert_eq!(v["evidence"]["gpu_busy_source"], "cupti", "{v}");
-    assert_eq!(v["evidence"]["mean_kernel_ns"], 100_000, "{v}");
-    // The busy time is the 100 µs kernels': at most one an iteration.
-    let busy = num(v, "gpu_busy");
-    assert!(busy > 0.0 && busy < 0.3, "{v}");
-    assert!(
-        busy * window_s(v) <= iterations as f64 * 100e-6 + 1e-4 * window_s(v),
-        "{v}"
-    );
+    assert_eq!(v["evidence"]["host"], "waiting", "{v}");
     assert!(num(v, "process_cpu") < 0.3, "{v}");
     assert!(num(v, "launch_thread_cpu") < 0.3, "{v}");
+    // The busy time is the 100 µs kernels': at most one an iteration, never overlapping.
+    assert_eq!(v["evidence"]["mean_kernel_ns"], 100_000, "{v}");
+    let top = top_kernels(v);
+    assert_eq!(top.len(), 1, "{v}");
+    let (name, count, gpu_ns) = &top[0];
+    assert_eq!((name.as_str(), *gpu_ns), ("fake_kernel", count * 100_000), "{v}");
+    assert!(*count <= iterations, "{iterations}: {v}");
+    let busy = num(v, "gpu_busy");
+    assert!(busy > 0.0 && busy < 0.3, "{v}");
+    assert!((busy - *gpu_ns as f64 / (window_s(v) * 1e9)).abs() <= 1e-4, "{v}");
 }
 
 /// One call, then none: every window since the process was first sampled is idle, and so is
@@ -388,25 +556,35 @@ fn a_process_that_stops_calling_is_idle() {
     let cap = agent.finish();
     let v = assert_class(&cap, pid, "idle");
     for l in verdict_lines(&cap, pid).into_iter().chain([v]) {
+        assert_consistent(l);
         assert_eq!(l["class"], "idle", "{l}");
         assert_eq!(l["secondary"], Value::Null, "{l}");
-        assert_eq!(l["evidence"]["calls"], 0, "{l}");
-        assert_eq!(l["evidence"]["gpu_busy"], Value::Null, "{l}");
-        assert_eq!(l["evidence"]["gpu_busy_source"], Value::Null, "{l}");
+        let e = &l["evidence"];
+        assert_eq!((&e["calls"], &e["calls_per_s"]), (&0.into(), &0.0.into()), "{l}");
+        assert_eq!((&e["gpu_busy"], &e["gpu_idle"]), (&Value::Null, &Value::Null), "{l}");
+        assert_eq!(e["gpu_busy_source"], Value::Null, "{l}");
+        assert_eq!(e["host"], "waiting", "{l}");
+        assert_eq!(
+            (&e["pageable_share"], &e["link_gb_per_s"]),
+            (&Value::Null, &Value::Null),
+            "{l}"
+        );
+        assert_eq!(e["top_kernels"], serde_json::json!([]), "{l}");
         assert_eq!(l["hint"], "no CUDA work in the window", "{l}");
     }
     assert!(window_s(v) >= 0.4, "{v}");
 }
 
 /// Processes that make ~1000 tiny launches a second for 2 s, observed at once (no `--pid`),
-/// each with its NVML SM utilization (`cases`: SM %, class): the last verdict line and the
-/// whole run of each have the class, the busy fraction is NVML's and nothing else holds.
+/// sharing device 0, each with its NVML SM utilization (`cases`: SM %, class): the last verdict
+/// line and the whole run of each have the class, the busy fraction is NVML's per-process one
+/// and nothing else holds.
 fn nvml_busy_cases(name: &str, cases: &[(u32, &str)]) {
     let dir = scratch(name);
     let lib = fresh_lib(&dir, "libcuda.so.1");
     let mut ws: Vec<Workload> = cases.iter().map(|_| initialized_workload(&lib, &[])).collect();
-    let procs: Vec<(u32, u32)> = ws.iter().zip(cases).map(|(w, (sm, _))| (w.pid, *sm)).collect();
-    let agent = nvml_agent(&dir, &procs, false, &lib);
+    let procs: Vec<(u32, u32, u32)> = ws.iter().zip(cases).map(|(w, (sm, _))| (w.pid, 0, *sm)).collect();
+    let agent = nvml_agent(&dir, &procs, "", None, &lib);
     std::thread::scope(|s| {
         for w in ws.iter_mut() {
             s.spawn(move || loop_done(&w.cmd("loop 2000 launch:1 sleep:1000")));
@@ -416,8 +594,9 @@ fn nvml_busy_cases(name: &str, cases: &[(u32, &str)]) {
         w.exit();
     }
     let cap = agent.stop();
-    for ((pid, sm), (_, class)) in procs.into_iter().zip(cases) {
+    for ((pid, _, sm), (_, class)) in procs.into_iter().zip(cases) {
         let v = assert_class(&cap, pid, class);
+        assert_consistent(v);
         assert_eq!(v["evidence"]["gpu_busy_source"], "nvml", "{v}");
         assert_eq!(num(v, "gpu_busy"), f64::from(sm) / 100.0, "{sm} %: {v}");
         assert_eq!(v["secondary"], Value::Null, "{sm} %: {v}");
