@@ -103,6 +103,28 @@ pub fn collect_lines(pipe: impl std::io::Read + Send + 'static) -> Arc<Mutex<Vec
     lines
 }
 
+/// Waits until the agent has written (and flushed: every 200 ms) a JSON line to `out` for which
+/// `pred` holds, and returns it; panics with what was written on timeout.
+pub fn wait_output_line(out: &Path, pred: impl Fn(&Value) -> bool, timeout: Duration) -> Value {
+    let start = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(out).unwrap_or_default();
+        // Only complete lines: the agent may be in the middle of one.
+        let complete = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
+        if let Some(v) = complete
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find(|v| pred(v))
+        {
+            return v;
+        }
+        if start.elapsed() > timeout {
+            panic!("no such line in {} within {timeout:?}:\n{complete}", out.display());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// The agent, writing JSON lines to a file.
 pub struct Agent {
     child: Child,
@@ -176,6 +198,11 @@ impl Agent {
             "gpu-observer did not print `{needle}` within {timeout:?}; stderr:\n{}",
             self.stderr().join("\n")
         );
+    }
+
+    /// Waits for a written JSON line for which `pred` holds ([`wait_output_line`]).
+    pub fn wait_line(&self, pred: impl Fn(&Value) -> bool, timeout: Duration) -> Value {
+        wait_output_line(&self.out, pred, timeout)
     }
 
     /// SIGINT, wait for exit, read the output.
@@ -426,6 +453,11 @@ impl RunAgent {
     /// Sends one command to the started workload, returns its `ok ...` reply (panics on `err`).
     pub fn cmd(&mut self, line: &str) -> String {
         self.w.cmd(line)
+    }
+
+    /// Waits for a written JSON line for which `pred` holds ([`wait_output_line`]).
+    pub fn wait_line(&self, pred: impl Fn(&Value) -> bool, timeout: Duration) -> Value {
+        wait_output_line(&self.out, pred, timeout)
     }
 
     /// `exit` to the workload; waits for the observer, which ends with it; its output.
