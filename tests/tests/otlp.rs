@@ -308,7 +308,11 @@ fn gpu_time_by_class_counts_each_gpu_a_process_holds_and_names_no_pid() {
             "--otlp-max-spans-per-sec",
             "0",
         ],
-        &[("FAKE_NVML_PROCS", procs.to_str().unwrap())],
+        // Both GPUs 90 % busy: the process is alone on them, so that is its busy time.
+        &[
+            ("FAKE_NVML_PROCS", procs.to_str().unwrap()),
+            ("FAKE_NVML_GPU_UTIL", "90,90"),
+        ],
     );
     agent.wait_stderr("attached", Duration::from_secs(10));
     // Calls for 3 s (the fake's launches cost nothing: a sleep paces them).

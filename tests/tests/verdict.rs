@@ -617,12 +617,9 @@ fn nvml_busy_just_past_each_threshold() {
 
 /// Exactly on the thresholds: gpu_bound holds at 70 % busy, host_bound no longer at 30 %.
 ///
-/// Fails today: analyze/window.rs turns NVML's mean percentage into busy nanoseconds with a
-/// truncating cast (`(pct / 100.0 * window_ns as f64) as u64`), so unless the window's length
-/// in ns is a multiple of 10 the busy fraction comes out a hair under 0.70 (judged `mixed`) or
-/// under 0.30 (judged `host_bound`), while the line still says `"gpu_busy":0.7` / `0.3`.
+/// Exactly on the thresholds: 70 % is gpu_bound, 30 % is no longer host_bound (the busy fraction
+/// stays NVML's percent / 100, not a round trip through nanoseconds that came out a hair under).
 #[test]
-#[ignore = "analyze/window.rs truncates NVML busy time: 70 % is judged mixed, 30 % host_bound"]
 fn nvml_busy_exactly_on_each_threshold() {
     let _g = serial();
     require_root();
