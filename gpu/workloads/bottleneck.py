@@ -55,12 +55,13 @@ CUDA not usable, 4 the start file never came.
 
 import argparse
 import ctypes
-import json
 import os
 import queue
 import sys
 import threading
 import time
+
+from results import write_json  # gpu/workloads/results.py, beside this script
 
 KINDS = ("launch", "gemm", "transfer", "sync", "cpu", "cpu_inline", "sleep", "train")
 DESIGNED = {"launch": "launch_bound", "gemm": "gpu_bound", "transfer": "transfer_bound",
@@ -75,14 +76,6 @@ def say(msg):
 def die(msg, code=1):
     print(f"bottleneck: ERROR: {msg}", file=sys.stderr, flush=True)
     sys.exit(code)
-
-
-def write_json(path, obj):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def libcuda_mapped():

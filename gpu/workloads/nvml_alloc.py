@@ -22,18 +22,11 @@ Exit status: 0 done, 1 a CUDA error, 3 PyTorch or CUDA not usable (nothing writt
 """
 
 import argparse
-import json
 import os
 import sys
 import time
 
-
-def write_json(path, obj):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+from results import write_json  # gpu/workloads/results.py, beside this script
 
 
 def main():
