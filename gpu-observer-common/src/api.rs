@@ -42,7 +42,7 @@ impl Family {
 }
 
 /// Direction a copy API implies by its name alone.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Direction {
     None,

@@ -302,7 +302,7 @@ fn measure(records: &[Vec<u8>], min: Duration) -> Result<Measured> {
     })];
     let hub = nvml::Hub::new(nvml::State::Off, Duration::from_millis(100), None);
     let (publisher, _snapshots) = Publisher::new(hub.view());
-    let mut pipe = Pipeline::new(corr, sinks, hub, None, publisher, monotonic_ns());
+    let mut pipe = Pipeline::new(corr, sinks, hub, None, publisher, Default::default(), monotonic_ns());
     let longest = records.iter().map(Vec::len).max().unwrap_or(0);
     let mut item = Vec::with_capacity(longest);
     let mut pass = 0u32;

@@ -70,6 +70,20 @@ pub struct Cli {
           value_parser = clap::value_parser!(u64).range(0..=MAX_THRESHOLD_US), global = true)]
     pub threshold_us: u64,
 
+    /// How anomalies are judged: `robust` (median and MAD of a series' last values, in log
+    /// space) or `sigma` (mean + N standard deviations, the design documents' rule).
+    #[arg(long, value_enum, default_value_t = crate::analyze::anomaly::Mode::Robust, global = true)]
+    pub anomaly_mode: crate::analyze::anomaly::Mode,
+
+    /// A call or kernel is anomalous this many robust deviations (or σ in `sigma` mode) on
+    /// the slow side of its series (default 8 robust, 2 σ).
+    #[arg(long, value_name = "DEVIATIONS", value_parser = parse_threshold, global = true)]
+    pub anomaly_threshold: Option<f64>,
+
+    /// Values a series needs before it may flag.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1_000_000), global = true)]
+    pub anomaly_warmup: u32,
+
     /// Write every copy, memset and sync. Default (duration sampling): only those taking
     /// at least --threshold-us are written one by one; all are counted in the summaries, and
     /// the total says how many were left out (`sampled_out`).
@@ -235,6 +249,27 @@ fn parse_ring_size(s: &str) -> Result<u32, String> {
         ));
     }
     Ok(v)
+}
+
+/// A positive, finite number of deviations.
+fn parse_threshold(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v <= 1000.0 => Ok(v),
+        _ => Err(format!(
+            "{s:?} is not a number of deviations between 0 and 1000 (e.g. 8)"
+        )),
+    }
+}
+
+impl Cli {
+    /// The anomaly detector's settings.
+    pub fn anomalies(&self) -> crate::analyze::anomaly::Config {
+        crate::analyze::anomaly::Config {
+            mode: self.anomaly_mode,
+            threshold: self.anomaly_threshold.unwrap_or(self.anomaly_mode.default_threshold()),
+            warmup: self.anomaly_warmup,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -18,11 +18,14 @@ use anyhow::{Context, Result, anyhow};
 use aya::maps::{MapData, RingBuf};
 
 use crate::{
-    analyze::window::ProcessVerdict,
+    analyze::{
+        anomaly::{self, Detector, Finding},
+        window::ProcessVerdict,
+    },
     clock::monotonic_ns,
     correlate::{Correlator, CuptiChange, cupti_join::GpuActivity},
     decode::{Body, Event, decode},
-    export::{LeakReport, Sink},
+    export::{AnomalyLine, LeakReport, Sink},
     nvml::{self, Hub, LineReceiver},
     snapshot::{AgentStats, Publisher, Snapshot},
 };
@@ -71,6 +74,8 @@ pub struct Pipeline {
     exited: Vec<u32>,
     gpu: Vec<GpuActivity>,
     changes: Vec<CuptiChange>,
+    detector: Detector,
+    findings: Vec<(anomaly::Source, Finding)>,
     decode_errors: u64,
     last_flush: u64,
     last_memory: u64,
@@ -85,6 +90,7 @@ impl Pipeline {
         nvml: Arc<Hub>,
         nvml_lines: Option<LineReceiver>,
         publisher: Publisher,
+        anomalies: anomaly::Config,
         now_ns: u64,
     ) -> Self {
         Self {
@@ -98,6 +104,8 @@ impl Pipeline {
             exited: Vec::new(),
             gpu: Vec::new(),
             changes: Vec::new(),
+            detector: Detector::new(anomalies),
+            findings: Vec::new(),
             decode_errors: 0,
             last_flush: now_ns,
             last_memory: now_ns,
@@ -129,6 +137,8 @@ impl Pipeline {
         }
         std::mem::swap(&mut self.gpu, &mut corr.gpu_out);
         std::mem::swap(&mut self.changes, &mut corr.cupti_changes);
+        self.detector.batch(&mut self.batch, &mut self.gpu, &mut self.findings);
+        let mode = self.detector.config().mode;
         let now = if self.exited.is_empty() { 0 } else { monotonic_ns() };
         for s in &mut self.sinks {
             (|| -> Result<()> {
@@ -140,6 +150,26 @@ impl Pipeline {
                 }
                 for a in &self.gpu {
                     s.gpu(a)?;
+                }
+                for (src, finding) in &self.findings {
+                    let (ts_ns, pid, tid, comm) = match *src {
+                        anomaly::Source::Event(i) => {
+                            let e = &self.batch[i];
+                            (e.ts_ns, e.pid, e.tid, &e.comm)
+                        }
+                        anomaly::Source::Gpu(i) => {
+                            let a = &self.gpu[i];
+                            (a.rec.start_ns, a.pid, a.origin.as_ref().map_or(0, |o| o.tid), &a.comm)
+                        }
+                    };
+                    s.anomaly(&AnomalyLine {
+                        ts_ns,
+                        pid,
+                        tid,
+                        comm,
+                        finding,
+                        mode,
+                    })?;
                 }
                 // A process that exited: what it never freed.
                 for pid in &self.exited {
@@ -158,6 +188,7 @@ impl Pipeline {
             .with_context(|| failed(&**s))?;
         }
         self.changes.clear();
+        self.findings.clear();
         self.exited.clear();
         self.batch.clear();
         self.gpu.clear();
@@ -247,8 +278,14 @@ impl Pipeline {
 
     fn publish(&mut self, now_ns: u64, last: bool) -> Arc<Snapshot> {
         self.last_publish = now_ns;
-        self.publisher
-            .publish(&mut self.corr, self.nvml.view(), self.agent.clone(), now_ns, last)
+        self.publisher.publish(
+            &mut self.corr,
+            self.nvml.view(),
+            self.agent.clone(),
+            (self.detector.config(), self.detector.counts()),
+            now_ns,
+            last,
+        )
     }
 
     /// A request from the main task; `true` for [`Request::Stop`].

@@ -13,9 +13,10 @@ pub fn is_slow(duration_ns: u64, threshold_ns: u64) -> bool {
 }
 
 /// Adaptive sampling: a timed call or GPU record is written (as a line or a span) when it is
-/// slow, or with `--trace-all`; the rest are only counted.
-pub fn kept(duration_ns: u64, threshold_ns: u64, trace_all: bool) -> bool {
-    trace_all || is_slow(duration_ns, threshold_ns)
+/// slow, anomalous (a 4 µs kernel slowed 10× is still under the threshold), or with
+/// `--trace-all`; the rest are only counted.
+pub fn kept(duration_ns: u64, threshold_ns: u64, trace_all: bool, anomalous: bool) -> bool {
+    trace_all || anomalous || is_slow(duration_ns, threshold_ns)
 }
 
 /// The CPU-side calls sampled by duration: copies, memsets, syncs (every other call is kept).
@@ -54,9 +55,11 @@ mod tests {
     fn exactly_the_threshold_is_slow_and_kept() {
         assert!(is_slow(100_000, 100_000));
         assert!(!is_slow(99_999, 100_000));
-        assert!(kept(100_000, 100_000, false));
-        assert!(!kept(99_999, 100_000, false));
-        assert!(kept(0, 100_000, true));
+        assert!(kept(100_000, 100_000, false, false));
+        assert!(!kept(99_999, 100_000, false, false));
+        assert!(kept(0, 100_000, true, false));
+        // An anomalous call under the threshold is kept.
+        assert!(kept(40_000, 100_000, false, true));
     }
 
     #[test]

@@ -110,6 +110,8 @@ pub struct Snapshot {
     pub procs: Vec<Arc<ProcessView>>,
     pub nvml: Arc<nvml::View>,
     pub agent: Arc<AgentStats>,
+    /// The anomaly detector's settings and what it did.
+    pub anomalies: (crate::analyze::anomaly::Config, crate::analyze::anomaly::Counts),
 }
 
 impl Snapshot {
@@ -128,6 +130,7 @@ impl Snapshot {
             procs: Vec::new(),
             nvml,
             agent: Arc::new(AgentStats::default()),
+            anomalies: Default::default(),
         }
     }
 
@@ -180,6 +183,7 @@ impl Publisher {
         corr: &mut Correlator,
         nvml: Arc<nvml::View>,
         agent: Arc<AgentStats>,
+        anomalies: (crate::analyze::anomaly::Config, crate::analyze::anomaly::Counts),
         now_ns: u64,
         last: bool,
     ) -> Arc<Snapshot> {
@@ -230,6 +234,7 @@ impl Publisher {
             procs,
             nvml,
             agent,
+            anomalies,
         });
         self.current.store(snap.clone());
         snap

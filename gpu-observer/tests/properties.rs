@@ -511,7 +511,7 @@ fn run(records: &[Vec<u8>], trace_all: bool) -> (Arc<Snapshot>, Seen) {
     ];
     let hub = nvml::Hub::new(nvml::State::Off, Duration::from_millis(100), None);
     let (publisher, _snapshots) = Publisher::new(hub.view());
-    let mut pipe = Pipeline::new(corr, sinks, hub, None, publisher, 0);
+    let mut pipe = Pipeline::new(corr, sinks, hub, None, publisher, Default::default(), 0);
     let mut now = 0u64;
     for (i, r) in records.iter().enumerate() {
         pipe.record(r).unwrap();

@@ -322,7 +322,7 @@ fn replay(trace_all: bool, end_ns: u64) -> Replay {
         .with_lookup(Box::new(Recorded::from(&lines)));
     let hub = nvml::Hub::new(nvml::State::Off, Duration::from_millis(100), None);
     let (publisher, snapshots) = Publisher::new(hub.view());
-    let mut pipe = Pipeline::new(corr, sinks, hub, None, publisher, 0);
+    let mut pipe = Pipeline::new(corr, sinks, hub, None, publisher, Default::default(), 0);
     let file = data("rec");
     for rec in recorded(&file).expect("a ring recording") {
         pipe.record(rec).unwrap();

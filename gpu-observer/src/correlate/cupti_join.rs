@@ -236,6 +236,8 @@ pub struct GpuActivity {
     pub kernel: Option<Arc<KernelName>>,
     pub occupancy: Option<f64>,
     pub sm_count: Option<u32>,
+    /// The anomaly detector flagged it (analyze/anomaly.rs): always written, never sampled out.
+    pub anomalous: bool,
 }
 
 impl GpuActivity {
@@ -731,6 +733,7 @@ impl GpuState {
             kernel,
             occupancy,
             sm_count,
+            anomalous: false,
         });
     }
 }

@@ -52,7 +52,7 @@ pub struct Launch {
 }
 
 /// A kernel's name as loaded and as people read it.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq, Hash)]
 pub struct KernelName {
     pub mangled: Box<str>,
     pub demangled: Box<str>,
@@ -120,6 +120,8 @@ pub struct Call {
     pub direction_inferred: bool,
     /// For symbol calls: the name `handle` now has (set by correlate).
     pub kernel: Option<Arc<KernelName>>,
+    /// The anomaly detector flagged it (analyze/anomaly.rs): always written, never sampled out.
+    pub anomalous: bool,
 }
 
 impl Call {
@@ -147,6 +149,7 @@ impl Call {
             host_memory: None,
             direction_inferred: false,
             kernel: None,
+            anomalous: false,
         }
     }
 }
@@ -318,6 +321,7 @@ pub fn decode_call(spec: &ApiSpec, r: &CallEvent) -> Call {
         name: None,
         host_memory: None,
         direction_inferred: false,
+        anomalous: false,
         kernel: None,
     }
 }

@@ -28,6 +28,17 @@ pub struct LeakReport<'a> {
     pub leaks: &'a [Leak],
 }
 
+/// A call or GPU record the anomaly detector flagged (analyze/anomaly.rs).
+pub struct AnomalyLine<'a> {
+    /// When the call began (a GPU record: when it started on the GPU).
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub tid: u32,
+    pub comm: &'a [u8; 16],
+    pub finding: &'a crate::analyze::anomaly::Finding,
+    pub mode: crate::analyze::anomaly::Mode,
+}
+
 /// The end of a run, for the sinks that write a summary.
 pub struct Summary<'a> {
     pub snapshot: &'a Snapshot,
@@ -67,6 +78,11 @@ pub trait Sink: Send {
 
     /// A process's bottleneck verdict over its last window.
     fn verdict(&mut self, _ts_ns: u64, _v: &ProcessVerdict) -> Result<()> {
+        Ok(())
+    }
+
+    /// A call or GPU record found anomalous (after the event or record itself).
+    fn anomaly(&mut self, _a: &AnomalyLine<'_>) -> Result<()> {
         Ok(())
     }
 

@@ -144,7 +144,7 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
     {
         sinks.push(Box::new(s));
     }
-    let pipe = Pipeline::new(corr, sinks, hub, nvml_rx, publisher, monotonic_ns());
+    let pipe = Pipeline::new(corr, sinks, hub, nvml_rx, publisher, cli.anomalies(), monotonic_ns());
     let failed = Arc::new(tokio::sync::Notify::new());
     let reader = Reader::spawn(at.probes.take_ring()?, pipe, recording, failed.clone())?;
     let started = Instant::now();

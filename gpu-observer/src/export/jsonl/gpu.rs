@@ -31,7 +31,7 @@ impl<W: Write> JsonlWriter<W> {
             _ => return Ok(()),
         };
         let dur = a.duration_ns();
-        if !crate::rules::kept(dur, self.threshold_ns, self.trace_all) {
+        if !crate::rules::kept(dur, self.threshold_ns, self.trace_all, a.anomalous) {
             self.sampled_out[slot] += 1;
             return Ok(());
         }

@@ -178,7 +178,7 @@ impl<W: Write> JsonlWriter<W> {
             _ => return false,
         };
         // An abandoned call has no duration to sample by, and is rare: always written.
-        if c.abandoned || crate::rules::kept(c.duration_ns, self.threshold_ns, self.trace_all) {
+        if c.abandoned || crate::rules::kept(c.duration_ns, self.threshold_ns, self.trace_all, c.anomalous) {
             return false;
         }
         self.sampled_out[slot] += 1;
@@ -367,6 +367,33 @@ impl<W: Write> JsonlWriter<W> {
         )
     }
 
+    /// An `anomaly` line: what was slow, how slow, against what.
+    pub fn anomaly(&mut self, a: &crate::export::sink::AnomalyLine<'_>) -> io::Result<()> {
+        use crate::analyze::anomaly::What;
+        let f = a.finding;
+        let comm = crate::rules::comm(a.comm);
+        self.head("anomaly", a.ts_ns, a.pid, a.tid, &comm)?;
+        write!(self.out, ",\"what\":\"{}\",\"key\":", f.what.kind())?;
+        match &f.what {
+            What::Kernel(name) => serde_json::to_writer(&mut self.out, &*name.demangled).map_err(io::Error::other)?,
+            What::Call { api, size } => write!(self.out, "{{\"api\":\"{api}\",\"size_class\":{size}}}")?,
+            What::Bandwidth { direction, size } => write!(
+                self.out,
+                "{{\"direction\":\"{}\",\"size_class\":{size}}}",
+                direction.name()
+            )?,
+        }
+        writeln!(
+            self.out,
+            ",\"observed\":{},\"typical\":{},\"unit\":\"{}\",\"deviation\":{},\"mode\":\"{}\"}}",
+            Decimals(f.observed, 1),
+            Decimals(f.typical, 1),
+            f.what.unit(),
+            Decimals(f.deviation, 2),
+            a.mode.name()
+        )
+    }
+
     /// A `verdict` line: the class of a process's last window and the numbers behind it.
     pub fn verdict(&mut self, ts_ns: u64, pv: &ProcessVerdict) -> io::Result<()> {
         self.head("verdict", ts_ns, pv.pid, pv.pid, &pv.comm)?;
@@ -441,6 +468,19 @@ impl<W: Write> JsonlWriter<W> {
             crate::decode::demangle::style()
         )?;
         self.nvml_total(gpus)?;
+        let (cfg, n) = snap.anomalies;
+        write!(
+            self.out,
+            ",\"anomalies\":{{\"mode\":\"{}\",\"threshold\":{},\"warmup\":{},\"checked\":{},\"flagged\":{},\"keys\":{},\"keys_evicted\":{},\"keys_refused\":{}}}",
+            cfg.mode.name(),
+            cfg.threshold,
+            cfg.warmup,
+            n.checked,
+            n.flagged,
+            n.keys,
+            n.keys_evicted,
+            n.keys_refused
+        )?;
         for (key, value) in sum.agent {
             write!(self.out, ",\"{key}\":")?;
             serde_json::to_writer(&mut self.out, value).map_err(io::Error::other)?;
@@ -631,6 +671,10 @@ impl<W: Write + Send> Sink for JsonlSink<W> {
 
     fn verdict(&mut self, ts_ns: u64, v: &ProcessVerdict) -> anyhow::Result<()> {
         Ok(self.writer.verdict(ts_ns, v)?)
+    }
+
+    fn anomaly(&mut self, a: &crate::export::sink::AnomalyLine<'_>) -> anyhow::Result<()> {
+        Ok(self.writer.anomaly(a)?)
     }
 
     fn wants_nvml(&self) -> bool {

@@ -384,7 +384,7 @@ impl Spans {
                 // duration to sample by, and is rare: always kept.
                 if timed
                     && !c.abandoned
-                    && !crate::rules::kept(c.duration_ns, self.cfg.threshold_ns, self.cfg.trace_all)
+                    && !crate::rules::kept(c.duration_ns, self.cfg.threshold_ns, self.cfg.trace_all, c.anomalous)
                 {
                     self.counters.spans_sampled_out.fetch_add(1, Ordering::Relaxed);
                     self.drop_ioctls(ev.tid, ev.ts_ns, end);
@@ -494,7 +494,7 @@ impl Spans {
             self.record_kernel(a.pid, &comm, &k.demangled, d);
         }
         let is_slow = crate::rules::is_slow(d, self.cfg.threshold_ns);
-        if !crate::rules::kept(d, self.cfg.threshold_ns, self.cfg.trace_all) {
+        if !crate::rules::kept(d, self.cfg.threshold_ns, self.cfg.trace_all, a.anomalous) {
             self.counters.spans_sampled_out.fetch_add(1, Ordering::Relaxed);
             return;
         }

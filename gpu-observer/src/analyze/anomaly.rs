@@ -1,0 +1,539 @@
+//! Anomalies: the one slow kernel, copy, memset, sync or host function among thousands.
+//!
+//! Each series (a process's kernel by name, a call by API and size class, a copy direction's
+//! bandwidth by size class) keeps its last [`RING`] values; a value is anomalous when it lies
+//! more than `threshold` robust deviations on the slow side of their median — in log space,
+//! where durations are far less skewed, with the deviation scaled from the median absolute
+//! deviation (× 1.4826, a normal's σ) and floored at [`MIN_SCALE`] so that a series of identical
+//! values does not flag a 1 % wobble — and beyond every value the series produced in its last
+//! [`RING`]: a loop whose every 20th copy takes 1.6× is bimodal, not anomalous, and the median
+//! alone cannot tell. A series flags nothing before `warmup` values. The
+//! design documents' rule (mean + 2σ of every value so far) is the `sigma` mode, for
+//! comparison: on heavy-tailed durations it flags a few percent of a steady loop.
+//!
+//! Bounded: at most [`MAX_KEYS_PER_PROCESS`] series per process, the least recently used
+//! forgotten (counted), and [`MAX_KEYS`] in all (a new series past it is refused, counted).
+
+use std::{collections::HashMap, sync::Arc};
+
+use gpu_observer_common::api::Direction;
+
+use gpu_observer_common::{api::Family, cupti::GpuRecordKind};
+
+use crate::{
+    correlate::cupti_join::GpuActivity,
+    decode::{Body, Event, KernelName},
+};
+
+/// Where a finding came from in a batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    Event(usize),
+    Gpu(usize),
+}
+
+/// Values kept per series.
+pub const RING: usize = 64;
+/// Series per process, and in all.
+pub const MAX_KEYS_PER_PROCESS: usize = 4096;
+pub const MAX_KEYS: usize = 65_536;
+/// The smallest robust scale, in natural-log units (about 2 %: timer and scheduling jitter).
+pub const MIN_SCALE: f64 = 0.02;
+/// The median and MAD are recomputed after this many new values (and when warm-up ends).
+const RECOMPUTE_EVERY: u32 = 8;
+
+/// How values are judged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// Median and MAD of the last values, in log space.
+    Robust,
+    /// Mean + threshold × standard deviation of every value so far (the design documents').
+    Sigma,
+}
+
+impl Mode {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Mode::Robust => "robust",
+            Mode::Sigma => "sigma",
+        }
+    }
+
+    /// The threshold when none is given: robust deviations, or σ.
+    pub const fn default_threshold(self) -> f64 {
+        match self {
+            Mode::Robust => 8.0,
+            Mode::Sigma => 2.0,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Config {
+    pub mode: Mode,
+    pub threshold: f64,
+    /// Values a series needs before it may flag.
+    pub warmup: u32,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            mode: Mode::Robust,
+            threshold: Mode::Robust.default_threshold(),
+            warmup: 32,
+        }
+    }
+}
+
+/// What a series watches.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum What {
+    /// A kernel's GPU time (CUPTI), by name (the name correlate already holds: no copy).
+    Kernel(Arc<KernelName>),
+    /// A copy, memset, sync or host function's time in the call, by API and size class.
+    Call { api: &'static str, size: u8 },
+    /// A copy direction's bandwidth, by size class: low is slow.
+    Bandwidth { direction: Direction, size: u8 },
+}
+
+impl What {
+    pub const fn kind(&self) -> &'static str {
+        match self {
+            What::Kernel(_) => "kernel",
+            What::Call { .. } => "call",
+            What::Bandwidth { .. } => "bandwidth",
+        }
+    }
+
+    /// The unit of its values.
+    pub const fn unit(&self) -> &'static str {
+        match self {
+            What::Bandwidth { .. } => "B/s",
+            _ => "ns",
+        }
+    }
+
+    /// For bandwidth a low value is slow; for the rest a high one.
+    const fn slow_is_low(&self) -> bool {
+        matches!(self, What::Bandwidth { .. })
+    }
+}
+
+/// The size class of a sized call: 1 + ⌊log2 bytes⌋ (0: not sized). Copies of 4 KiB and of
+/// 256 MiB are different series: their times and rates differ by design, not by accident.
+pub fn size_class(bytes: Option<u64>) -> u8 {
+    match bytes {
+        Some(b) if b > 0 => 64 - b.leading_zeros() as u8,
+        _ => 0,
+    }
+}
+
+/// One value found anomalous.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Finding {
+    pub what: What,
+    pub observed: f64,
+    /// The series' typical value: its median (robust) or mean (sigma).
+    pub typical: f64,
+    /// How many robust deviations (or σ) it lies on the slow side.
+    pub deviation: f64,
+}
+
+/// What the detector did, for the summaries.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub checked: u64,
+    pub flagged: u64,
+    /// Series live now.
+    pub keys: u64,
+    /// Series forgotten for a process's newer ones (its 4 096 were in use).
+    pub keys_evicted: u64,
+    /// Series not started: all 65 536 in use.
+    pub keys_refused: u64,
+}
+
+#[derive(Clone, Debug)]
+struct Series {
+    /// ln(value) of the last values, a ring.
+    ring: [f32; RING],
+    len: u8,
+    next: u8,
+    seen: u64,
+    /// Median and robust scale of `ring` (ln units), as last computed.
+    center: f64,
+    scale: f64,
+    fresh: u32,
+    /// Every value so far (sigma mode): Welford's mean and sum of squared deviations.
+    mean: f64,
+    m2: f64,
+    touched: u64,
+}
+
+impl Series {
+    fn new(touched: u64) -> Self {
+        Self {
+            ring: [0.0; RING],
+            len: 0,
+            next: 0,
+            seen: 0,
+            center: 0.0,
+            scale: MIN_SCALE,
+            fresh: 0,
+            mean: 0.0,
+            m2: 0.0,
+            touched,
+        }
+    }
+
+    /// The deviation of `x` on the slow side, and the typical value (before `x` counts).
+    fn judge(&self, x: f64, slow_is_low: bool, mode: Mode) -> (f64, f64) {
+        let sign = if slow_is_low { -1.0 } else { 1.0 };
+        match mode {
+            Mode::Robust => {
+                let l = x.ln() as f32;
+                let kept = &self.ring[..usize::from(self.len)];
+                // Not beyond what the series did lately: no deviation at all.
+                let seen = if slow_is_low {
+                    kept.iter().any(|&k| k <= l)
+                } else {
+                    kept.iter().any(|&k| k >= l)
+                };
+                let deviation = if seen {
+                    0.0
+                } else {
+                    sign * (x.ln() - self.center) / self.scale
+                };
+                (deviation, self.center.exp())
+            }
+            Mode::Sigma => {
+                let sd = (self.m2 / self.seen.max(1) as f64).sqrt();
+                // A series of identical values: the smallest spread that is not zero.
+                let sd = sd.max(self.mean.abs() * 1e-9).max(f64::MIN_POSITIVE);
+                (sign * (x - self.mean) / sd, self.mean)
+            }
+        }
+    }
+
+    fn add(&mut self, x: f64, warmup: u32) {
+        self.ring[usize::from(self.next)] = x.ln() as f32;
+        self.next = ((usize::from(self.next) + 1) % RING) as u8;
+        self.len = (usize::from(self.len) + 1).min(RING) as u8;
+        self.seen += 1;
+        let d = x - self.mean;
+        self.mean += d / self.seen as f64;
+        self.m2 += d * (x - self.mean);
+        self.fresh += 1;
+        if self.seen == u64::from(warmup.max(1)) || self.fresh >= RECOMPUTE_EVERY {
+            self.recompute();
+        }
+    }
+
+    fn recompute(&mut self) {
+        self.fresh = 0;
+        // On the stack: this runs every few values of every series (no allocation per event).
+        let mut buf = self.ring;
+        let v = &mut buf[..usize::from(self.len)];
+        let center = median(v);
+        for x in v.iter_mut() {
+            *x = (*x - center).abs();
+        }
+        let mad = median(v);
+        self.center = f64::from(center);
+        self.scale = (1.4826 * f64::from(mad)).max(MIN_SCALE);
+    }
+}
+
+/// The median of `v` (reordered); 0 when empty.
+fn median(v: &mut [f32]) -> f32 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_unstable_by(f32::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+#[derive(Default)]
+struct Proc {
+    series: HashMap<What, Series>,
+}
+
+/// Every process's series.
+pub struct Detector {
+    cfg: Config,
+    procs: HashMap<u32, Proc>,
+    keys: usize,
+    clock: u64,
+    counts: Counts,
+}
+
+impl Detector {
+    pub fn new(cfg: Config) -> Self {
+        Self {
+            cfg,
+            procs: HashMap::new(),
+            keys: 0,
+            clock: 0,
+            counts: Counts::default(),
+        }
+    }
+
+    pub fn config(&self) -> Config {
+        self.cfg
+    }
+
+    pub fn counts(&self) -> Counts {
+        Counts {
+            keys: self.keys as u64,
+            ..self.counts
+        }
+    }
+
+    /// Judges one value of a process's series, then adds it. Values that are not positive and
+    /// finite (a zero duration) are not judged.
+    pub fn observe(&mut self, pid: u32, what: What, value: f64) -> Option<Finding> {
+        if !(value.is_finite() && value > 0.0) {
+            return None;
+        }
+        self.clock += 1;
+        let clock = self.clock;
+        let p = self.procs.entry(pid).or_default();
+        if !p.series.contains_key(&what) {
+            if self.keys >= MAX_KEYS {
+                self.counts.keys_refused += 1;
+                return None;
+            }
+            // The least recently used goes: a scan, but only when a process has all its
+            // series in use and starts another (no ordered index to update on every value).
+            if p.series.len() >= MAX_KEYS_PER_PROCESS
+                && let Some(old) = p.series.iter().min_by_key(|(_, s)| s.touched).map(|(w, _)| w.clone())
+            {
+                p.series.remove(&old);
+                self.keys -= 1;
+                self.counts.keys_evicted += 1;
+            }
+            p.series.insert(what.clone(), Series::new(clock));
+            self.keys += 1;
+        }
+        let s = p.series.get_mut(&what)?;
+        s.touched = clock;
+        self.counts.checked += 1;
+        let finding = (s.seen >= u64::from(self.cfg.warmup)).then(|| s.judge(value, what.slow_is_low(), self.cfg.mode));
+        s.add(value, self.cfg.warmup);
+        let (deviation, typical) = finding?;
+        (deviation >= self.cfg.threshold).then(|| {
+            self.counts.flagged += 1;
+            Finding {
+                what,
+                observed: value,
+                typical,
+                deviation,
+            }
+        })
+    }
+
+    /// Judges a correlated batch: copies, memsets, syncs and host functions by their time in
+    /// the call (copies by their bandwidth too), kernels by their GPU time. Flagged ones are
+    /// marked `anomalous` (always written) and listed in `out`; a process that exited in the
+    /// batch loses its series after its last call.
+    pub fn batch(&mut self, events: &mut [Event], gpu: &mut [GpuActivity], out: &mut Vec<(Source, Finding)>) {
+        for (i, ev) in events.iter_mut().enumerate() {
+            let (Body::Call(c), Some(spec)) = (&mut ev.body, ev.api) else {
+                if matches!(ev.body, Body::ProcessExit) {
+                    self.forget(ev.pid);
+                }
+                continue;
+            };
+            let sized = matches!(spec.family, Family::Memcpy | Family::Memset);
+            let watched = sized || matches!(spec.family, Family::Sync | Family::HostFunc);
+            if !watched || c.abandoned || c.result != 0 {
+                continue;
+            }
+            let size = if sized { size_class(c.bytes) } else { 0 };
+            let took = c.duration_ns as f64;
+            if let Some(f) = self.observe(ev.pid, What::Call { api: spec.name, size }, took) {
+                c.anomalous = true;
+                out.push((Source::Event(i), f));
+            }
+            if spec.family == Family::Memcpy
+                && let Some(bytes) = c.bytes.filter(|b| *b > 0)
+                && c.duration_ns > 0
+            {
+                let rate = bytes as f64 * 1e9 / took;
+                let what = What::Bandwidth {
+                    direction: c.direction,
+                    size,
+                };
+                if let Some(f) = self.observe(ev.pid, what, rate) {
+                    c.anomalous = true;
+                    out.push((Source::Event(i), f));
+                }
+            }
+        }
+        for (i, a) in gpu.iter_mut().enumerate() {
+            let Some(k) = a.kernel.as_ref().filter(|_| a.kind() == Some(GpuRecordKind::Kernel)) else {
+                continue;
+            };
+            let what = What::Kernel(k.clone());
+            if let Some(f) = self.observe(a.pid, what, a.duration_ns() as f64) {
+                a.anomalous = true;
+                out.push((Source::Gpu(i), f));
+            }
+        }
+    }
+
+    /// A process exited: its series go.
+    pub fn forget(&mut self, pid: u32) {
+        if let Some(p) = self.procs.remove(&pid) {
+            self.keys -= p.series.len();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call() -> What {
+        What::Call {
+            api: "cuMemcpyHtoD_v2",
+            size: 21,
+        }
+    }
+
+    /// A steady series with ±1 % jitter: 1000, 1010, 990, ...
+    fn steady(i: u64) -> f64 {
+        1000.0 + [0.0, 10.0, -10.0, 5.0, -5.0][(i % 5) as usize]
+    }
+
+    #[test]
+    fn nothing_flags_during_warm_up_and_the_first_value_after_it_can() {
+        let mut d = Detector::new(Config::default());
+        for i in 0..31 {
+            assert_eq!(d.observe(1, call(), steady(i)), None);
+        }
+        // (The warm-up is 32 values; the ring keeps 64.)
+        // The 32nd value is the last of the warm-up: even 10× is not judged.
+        assert_eq!(d.observe(1, call(), 10_000.0), None);
+        // The 33rd is judged against the 32 before it (their median is 1000) — and the 32nd
+        // was 10 000 too, so it is not beyond what the series did lately.
+        assert_eq!(d.observe(1, call(), 10_000.0), None);
+        let f = d.observe(1, call(), 20_000.0).expect("flagged");
+        assert_eq!(f.typical.round(), 1000.0);
+        assert!(f.deviation > 8.0, "{f:?}");
+        assert_eq!(d.counts().flagged, 1);
+        assert_eq!(d.counts().checked, 34);
+    }
+
+    #[test]
+    fn a_steady_series_flags_exactly_the_planted_outliers() {
+        let mut d = Detector::new(Config::default());
+        let mut flagged = Vec::new();
+        for i in 0..10_000u64 {
+            // One in 1000 is 10× slower.
+            let v = if i % 1000 == 999 { 10.0 * steady(i) } else { steady(i) };
+            if d.observe(7, call(), v).is_some() {
+                flagged.push(i);
+            }
+        }
+        assert_eq!(flagged, (0..10).map(|k| k * 1000 + 999).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn the_scale_floor_keeps_identical_values_from_flagging_a_small_wobble() {
+        let mut d = Detector::new(Config::default());
+        for _ in 0..100 {
+            assert_eq!(d.observe(1, call(), 1000.0), None);
+        }
+        // ln(1.15) / 0.02 = 6.99 robust deviations: under 8.
+        assert_eq!(d.observe(1, call(), 1150.0), None);
+        // ln(1.2) / 0.02 = 9.1: over.
+        assert!(d.observe(1, call(), 1200.0).is_some());
+    }
+
+    #[test]
+    fn low_bandwidth_is_the_slow_side_and_faster_is_never_anomalous() {
+        let mut d = Detector::new(Config::default());
+        let bw = What::Bandwidth {
+            direction: Direction::CpuToGpu,
+            size: 29,
+        };
+        for i in 0..64 {
+            d.observe(1, bw.clone(), 25e9 + steady(i));
+        }
+        assert_eq!(d.observe(1, bw.clone(), 100e9), None, "faster: not anomalous");
+        let f = d.observe(1, bw.clone(), 8e9).expect("pageable-like rate flagged");
+        assert_eq!(f.what.unit(), "B/s");
+        // And for durations, faster is never anomalous either.
+        for i in 0..64 {
+            d.observe(1, call(), steady(i));
+        }
+        assert_eq!(d.observe(1, call(), 10.0), None);
+    }
+
+    #[test]
+    fn sigma_mode_flags_a_heavy_tailed_steady_loop_where_robust_flags_nothing() {
+        // A bimodal loop: most at 1000, every 20th at 1600 (its normal tail, not an anomaly).
+        let value = |i: u64| if i.is_multiple_of(20) { 1600.0 } else { steady(i) };
+        let count = |mode: Mode| {
+            let mut d = Detector::new(Config {
+                mode,
+                threshold: mode.default_threshold(),
+                warmup: 32,
+            });
+            (0..10_000)
+                .filter(|&i| d.observe(1, call(), value(i)).is_some())
+                .count()
+        };
+        assert_eq!(count(Mode::Robust), 0);
+        // Every 1600 lies ~4.4σ over the mean: all ~500 after warm-up are flagged.
+        assert_eq!(count(Mode::Sigma), 498);
+    }
+
+    #[test]
+    fn series_are_bounded_per_process_and_the_least_recently_used_goes() {
+        let mut d = Detector::new(Config::default());
+        let kernel = |i: usize| What::Kernel(Arc::new(KernelName::new(&format!("k{i}"))));
+        for i in 0..MAX_KEYS_PER_PROCESS {
+            d.observe(1, kernel(i), 100.0);
+        }
+        // k0 used again: k1 is now the least recently used.
+        d.observe(1, kernel(0), 100.0);
+        d.observe(1, kernel(MAX_KEYS_PER_PROCESS), 100.0);
+        let c = d.counts();
+        assert_eq!((c.keys, c.keys_evicted), (MAX_KEYS_PER_PROCESS as u64, 1));
+        assert!(d.procs[&1].series.contains_key(&kernel(0)));
+        assert!(!d.procs[&1].series.contains_key(&kernel(1)));
+        d.forget(1);
+        assert_eq!(d.counts().keys, 0);
+    }
+
+    #[test]
+    fn series_past_the_global_bound_are_refused_and_counted() {
+        let mut d = Detector::new(Config::default());
+        let per = MAX_KEYS / MAX_KEYS_PER_PROCESS;
+        for pid in 0..per as u32 {
+            for i in 0..MAX_KEYS_PER_PROCESS {
+                d.observe(pid, What::Kernel(Arc::new(KernelName::new(&format!("k{i}")))), 1.0);
+            }
+        }
+        assert_eq!(d.counts().keys, MAX_KEYS as u64);
+        assert_eq!(d.observe(99_999, call(), 1.0), None);
+        assert_eq!(d.counts().keys_refused, 1);
+    }
+
+    #[test]
+    fn size_classes_are_octaves() {
+        assert_eq!(size_class(None), 0);
+        assert_eq!(size_class(Some(0)), 0);
+        assert_eq!(size_class(Some(1)), 1);
+        assert_eq!(size_class(Some(4096)), 13);
+        assert_eq!(size_class(Some(8191)), 13);
+        assert_eq!(size_class(Some(u64::MAX)), 64);
+    }
+}
