@@ -363,7 +363,11 @@ pub fn is_launch(api: &str) -> bool {
 }
 
 pub fn is_event(e: &Value) -> bool {
-    !matches!(e["type"].as_str(), Some("summary" | "memory" | "leak"))
+    // The rest are derived lines: summaries, memory samples, leak reports, verdicts, anomalies.
+    !matches!(
+        e["type"].as_str(),
+        Some("summary" | "memory" | "leak" | "verdict" | "anomaly")
+    )
 }
 
 /// Reads the workload's record of the calls it made.
