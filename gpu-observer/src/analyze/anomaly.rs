@@ -244,6 +244,23 @@ impl Series {
     }
 }
 
+/// Judges `value` against the series (once it is warm), then adds it.
+fn step(cfg: &Config, counts: &mut Counts, s: &mut Series, what: What, value: f64) -> Option<Finding> {
+    counts.checked += 1;
+    let judged = (s.seen >= u64::from(cfg.warmup)).then(|| s.judge(value, what.slow_is_low(), cfg.mode));
+    s.add(value, cfg.warmup);
+    let (deviation, typical) = judged?;
+    (deviation >= cfg.threshold).then(|| {
+        counts.flagged += 1;
+        Finding {
+            what,
+            observed: value,
+            typical,
+            deviation,
+        }
+    })
+}
+
 /// The median of `v` (reordered); 0 when empty.
 fn median(v: &mut [f32]) -> f32 {
     if v.is_empty() {
@@ -303,38 +320,27 @@ impl Detector {
         self.clock += 1;
         let clock = self.clock;
         let p = self.procs.entry(pid).or_default();
-        if !p.series.contains_key(&what) {
-            if self.keys >= MAX_KEYS {
-                self.counts.keys_refused += 1;
-                return None;
-            }
-            // The least recently used goes: a scan, but only when a process has all its
-            // series in use and starts another (no ordered index to update on every value).
-            if p.series.len() >= MAX_KEYS_PER_PROCESS
-                && let Some(old) = p.series.iter().min_by_key(|(_, s)| s.touched).map(|(w, _)| w.clone())
-            {
-                p.series.remove(&old);
-                self.keys -= 1;
-                self.counts.keys_evicted += 1;
-            }
-            p.series.insert(what.clone(), Series::new(clock));
-            self.keys += 1;
+        // A series seen before: one lookup (this runs for every copy, sync and kernel).
+        if let Some(s) = p.series.get_mut(&what) {
+            s.touched = clock;
+            return step(&self.cfg, &mut self.counts, s, what, value);
         }
-        let s = p.series.get_mut(&what)?;
-        s.touched = clock;
-        self.counts.checked += 1;
-        let finding = (s.seen >= u64::from(self.cfg.warmup)).then(|| s.judge(value, what.slow_is_low(), self.cfg.mode));
-        s.add(value, self.cfg.warmup);
-        let (deviation, typical) = finding?;
-        (deviation >= self.cfg.threshold).then(|| {
-            self.counts.flagged += 1;
-            Finding {
-                what,
-                observed: value,
-                typical,
-                deviation,
-            }
-        })
+        if self.keys >= MAX_KEYS {
+            self.counts.keys_refused += 1;
+            return None;
+        }
+        // The least recently used goes: a scan, but only when a process has all its series in
+        // use and starts another (no ordered index to update on every value).
+        if p.series.len() >= MAX_KEYS_PER_PROCESS
+            && let Some(old) = p.series.iter().min_by_key(|(_, s)| s.touched).map(|(w, _)| w.clone())
+        {
+            p.series.remove(&old);
+            self.keys -= 1;
+            self.counts.keys_evicted += 1;
+        }
+        self.keys += 1;
+        let s = p.series.entry(what.clone()).or_insert(Series::new(clock));
+        step(&self.cfg, &mut self.counts, s, what, value)
     }
 
     /// Judges a correlated batch: copies, memsets, syncs and host functions by their time in
