@@ -86,7 +86,8 @@ impl GpuTime {
             Some(then) if now_ns > then => (now_ns - then) as f64 / 1e9,
             _ => return,
         };
-        self.pods.retain(|pid, _| holders.iter().any(|h| h.pid == *pid));
+        let live: std::collections::HashSet<u32> = holders.iter().map(|h| h.pid).collect();
+        self.pods.retain(|pid, _| live.contains(pid));
         for h in holders {
             if !self.pods.contains_key(&h.pid) && self.pods.len() >= MAX_PODS {
                 continue;

@@ -223,6 +223,13 @@ impl Tracker {
     fn sample(&mut self, snap: &Snapshot, procinfo: &ProcInfo, exited_too: bool) -> Vec<ProcessVerdict> {
         let now_ns = snap.taken_ns;
         let mut out = Vec::new();
+        // Processes NVML lists on each GPU now, counted once for every process's `alone_on`.
+        let mut listed: HashMap<u32, usize> = HashMap::new();
+        for u in snap.nvml.procs.values() {
+            for d in &u.devices_now {
+                *listed.entry(*d).or_default() += 1;
+            }
+        }
         // Exited processes keep their samples for the whole-run verdict while the snapshot
         // lists them.
         self.procs.retain(|pid, _| snap.process(*pid).is_some());
@@ -243,7 +250,7 @@ impl Tracker {
             let mut tids: Vec<(u32, u64)> = s.launch_tids.iter().map(|(t, n)| (*t, *n)).collect();
             tids.sort_by_key(|t| std::cmp::Reverse(t.1));
             let last = self.procs.get(&p.pid).and_then(|t| t.recent.back());
-            let sample = Sample {
+            let mut sample = Sample {
                 at_ns: now_ns,
                 calls: s.launches + s.call_apis.values().sum::<u64>(),
                 launches: s.launches,
@@ -252,11 +259,13 @@ impl Tracker {
                 busy_ns: p.gpu.as_ref().map(|g| g.stats.busy_ns),
                 nvml_sm: snap.nvml.procs.get(&p.pid).map(|u| (u.sm_util_sum, u.sm_util_samples)),
                 nvml_device: last.map_or((0.0, 0), |s| s.nvml_device),
-                kernels_top: p
-                    .gpu
-                    .as_ref()
-                    .map(|g| kept_kernels(&g.stats.by_kernel))
-                    .unwrap_or_default(),
+                kernels_top: p.gpu.as_ref().map_or_else(Vec::new, |g| {
+                    g.stats
+                        .top_kernels(KERNELS_KEPT)
+                        .into_iter()
+                        .map(|(k, c, ns)| (k.clone(), c, ns))
+                        .collect()
+                }),
                 syncs: s.syncs.count,
                 sync_ns: s.syncs.ns,
                 copies: s.copies,
@@ -278,11 +287,10 @@ impl Tracker {
                     })
                     .collect(),
             };
-            let mut sample = sample;
             let t = self.procs.entry(p.pid).or_default();
             // Device utilization while alone: what the GPUs sampled since the last tick, when
             // the process was alone on the same GPUs then and now.
-            let now_alone = alone_on(snap, p.pid);
+            let now_alone = alone_on(snap, &listed, p.pid);
             if let (Some((d0, sum0, n0)), Some((d, sum, n))) = (&t.alone, &now_alone)
                 && d0 == d
                 && n >= n0
@@ -324,24 +332,12 @@ impl Tracker {
     }
 }
 
-/// The kept kernels: the most GPU time first.
-fn kept_kernels(by_kernel: &std::collections::BTreeMap<Arc<str>, (u64, u64)>) -> Vec<(Arc<str>, u64, u64)> {
-    let mut v: Vec<(Arc<str>, u64, u64)> = by_kernel.iter().map(|(k, (c, ns))| (k.clone(), *c, *ns)).collect();
-    v.sort_by_key(|k| std::cmp::Reverse(k.2));
-    v.truncate(KERNELS_KEPT);
-    v
-}
-
-/// The GPUs NVML lists the process on now, when no other process is listed on them, and
-/// their utilization samples so far.
-fn alone_on(snap: &Snapshot, pid: u32) -> Option<(Vec<u32>, f64, u64)> {
+/// The GPUs NVML lists the process on now, when no other process is listed on them
+/// (`listed`: how many processes NVML lists on each GPU), and their utilization samples so far.
+fn alone_on(snap: &Snapshot, listed: &HashMap<u32, usize>, pid: u32) -> Option<(Vec<u32>, f64, u64)> {
     let nvml = &snap.nvml;
     let mine = &nvml.procs.get(&pid)?.devices_now;
-    let shared = nvml
-        .procs
-        .iter()
-        .any(|(other, u)| *other != pid && u.devices_now.iter().any(|d| mine.contains(d)));
-    if mine.is_empty() || shared {
+    if mine.is_empty() || mine.iter().any(|d| listed.get(d).copied().unwrap_or(0) > 1) {
         return None;
     }
     let (mut sum, mut n) = (0.0, 0);
@@ -367,14 +363,16 @@ fn link_of(snap: &Snapshot, pid: u32) -> Option<f64> {
 /// Who holds a GPU context at this tick, counted under which class (see [`super::gpu_time`]).
 fn holders(snap: &Snapshot, verdicts: &[ProcessVerdict]) -> Vec<Holder> {
     let nvml = &snap.nvml;
-    let uuid = |index: u32| -> Arc<str> {
-        nvml.devices
-            .iter()
-            .find(|d| d.index == index)
-            .and_then(|d| d.uuid.as_deref())
-            .map_or_else(|| Arc::from(""), Arc::from)
-    };
+    // Each GPU's UUID once a tick, shared by every key that names it.
+    let unknown: Arc<str> = Arc::from("");
+    let uuids: HashMap<u32, Arc<str>> = nvml
+        .devices
+        .iter()
+        .map(|d| (d.index, d.uuid.as_deref().map_or_else(|| unknown.clone(), Arc::from)))
+        .collect();
+    let uuid = |index: u32| uuids.get(&index).cloned().unwrap_or_else(|| unknown.clone());
     if nvml.procs_round_ns > 0 {
+        let class_of: HashMap<u32, Class> = verdicts.iter().map(|v| (v.pid, v.verdict.class)).collect();
         // NVML lists processes: those it lists now, observed or not.
         nvml.procs
             .iter()
@@ -382,7 +380,7 @@ fn holders(snap: &Snapshot, verdicts: &[ProcessVerdict]) -> Vec<Holder> {
             .filter_map(|(pid, u)| {
                 let class = match snap.process(*pid) {
                     // Observed: its window's class (none yet at its first tick).
-                    Some(_) => verdicts.iter().find(|v| v.pid == *pid)?.verdict.class,
+                    Some(_) => *class_of.get(pid)?,
                     None => Class::Idle,
                 };
                 Some(Holder {
@@ -400,7 +398,7 @@ fn holders(snap: &Snapshot, verdicts: &[ProcessVerdict]) -> Vec<Holder> {
             .map(|v| Holder {
                 pid: v.pid,
                 class: v.verdict.class,
-                gpus: vec![Arc::from("")],
+                gpus: vec![unknown.clone()],
             })
             .collect()
     }

@@ -217,9 +217,9 @@ pub struct GpuStats {
 }
 
 impl GpuStats {
-    /// Kernels by GPU time, most first.
-    pub fn top_kernels(&self, n: usize) -> Vec<(&str, u64, u64)> {
-        let mut v: Vec<(&str, u64, u64)> = self.by_kernel.iter().map(|(k, (c, ns))| (&**k, *c, *ns)).collect();
+    /// Kernels by GPU time, most first (ties by name).
+    pub fn top_kernels(&self, n: usize) -> Vec<(&Arc<str>, u64, u64)> {
+        let mut v: Vec<(&Arc<str>, u64, u64)> = self.by_kernel.iter().map(|(k, (c, ns))| (k, *c, *ns)).collect();
         v.sort_by(|a, b| b.2.cmp(&a.2).then(a.0.cmp(b.0)));
         v.truncate(n);
         v
@@ -418,7 +418,7 @@ impl GpuState {
                 .stats
                 .top_kernels(EXITED_TOP)
                 .into_iter()
-                .map(|(k, _, _)| Arc::from(k))
+                .map(|(k, _, _)| k.clone())
                 .collect();
             self.stats.by_kernel.retain(|k, _| keep.contains(k));
         }

@@ -162,7 +162,7 @@ impl<W: Write> JsonlWriter<W> {
         )?;
         for (i, (name, count, ns)) in s.top_kernels(10).into_iter().enumerate() {
             o.write_all(if i == 0 { b"{\"kernel\":" } else { b",{\"kernel\":" })?;
-            serde_json::to_writer(&mut *o, name).map_err(io::Error::other)?;
+            serde_json::to_writer(&mut *o, &**name).map_err(io::Error::other)?;
             write!(o, ",\"count\":{count},\"gpu_ns\":{ns}}}")?;
         }
         o.write_all(b"]}")
