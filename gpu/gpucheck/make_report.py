@@ -272,34 +272,27 @@ def cmd_assemble(a):
     lines.append(f"Overall: **{'FAIL' if any_fail else 'PASS'}**")
     lines.append("")
 
-    lines.append("## Workloads")
-    lines.append("")
-    for name, res in results_u:
+    def section(name, why):
+        """A run's own section (they start at ###), or why it has none."""
         sec = os.path.join(a.dir, f"{name}.section.md")
         if os.path.exists(sec):
             with open(sec, "r", encoding="utf-8") as f:
-                # demote nothing; sections start at ###
                 lines.append(f.read().rstrip())
         else:
             lines.append(f"### {name}")
             lines.append("")
-            lines.append(f"No comparison for this run (workload or observer failed; "
-                         f"see `{name}.log` / `{name}.err`).")
+            lines.append(f"No comparison for this run ({why}; see `{name}.log` / `{name}.err`).")
         lines.append("")
+
+    lines.append("## Workloads")
+    lines.append("")
+    for name, res in results_u:
+        section(name, "workload or observer failed")
     if cupti:
         lines.append("## CUPTI: GPU-side records (`gpu-observer run`)")
         lines.append("")
         for name, res in cupti:
-            sec = os.path.join(a.dir, f"{name}.section.md")
-            if os.path.exists(sec):
-                with open(sec, "r", encoding="utf-8") as f:
-                    lines.append(f.read().rstrip())
-            else:
-                lines.append(f"### {name}")
-                lines.append("")
-                lines.append(f"No comparison for this run ({statuses.get(name, 'workload or observer failed')}; "
-                             f"see `{name}.log` / `{name}.err`).")
-            lines.append("")
+            section(name, statuses.get(name, "workload or observer failed"))
 
     lines.append("## Method")
     lines.append("")
