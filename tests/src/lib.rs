@@ -454,6 +454,24 @@ impl RunAgent {
         RunAgent { w, stderr, out, pid }
     }
 
+    /// `run` of the workload with the fake CUPTI (records flushed every 50 ms) and `lib`, a
+    /// fresh fake libcuda, attached up front and loaded; no NVML; ticks every 100 ms.
+    pub fn with_cupti(dir: &Path, lib: &Path, env: &[(&str, &str)]) -> RunAgent {
+        let cupti = fixtures().join("libcupti.so.13");
+        let mut all: Vec<(&str, &std::ffi::OsStr)> = vec![
+            ("GPU_OBSERVER_CUPTI_PATH", cupti.as_os_str()),
+            ("GPU_OBSERVER_CUPTI_FLUSH_MS", "50".as_ref()),
+        ];
+        all.extend(env.iter().map(|(k, v)| (*k, v.as_ref())));
+        let mut r = RunAgent::start(
+            dir,
+            &["--interval-ms", "100", "--no-nvml", "--libcuda", lib.to_str().unwrap()],
+            &all,
+        );
+        r.cmd(&format!("load {}", lib.display()));
+        r
+    }
+
     /// Sends one command to the started workload, returns its `ok ...` reply (panics on `err`).
     pub fn cmd(&mut self, line: &str) -> String {
         self.w.cmd(line)

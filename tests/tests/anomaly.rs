@@ -12,16 +12,8 @@ fn one_planted_slow_kernel_among_a_steady_loop_is_flagged_and_written() {
     require_root();
     let dir = scratch("anomaly-kernel");
     let lib = fresh_lib(&dir, "libcuda.so.1");
-    let mut r = RunAgent::start(
-        &dir,
-        &["--interval-ms", "100", "--no-nvml", "--libcuda", lib.to_str().unwrap()],
-        &[
-            ("GPU_OBSERVER_CUPTI_PATH", fixtures().join("libcupti.so.13").as_os_str()),
-            ("GPU_OBSERVER_CUPTI_FLUSH_MS", "50".as_ref()),
-        ],
-    );
+    let mut r = RunAgent::with_cupti(&dir, &lib, &[]);
     let pid = r.pid;
-    r.cmd(&format!("load {}", lib.display()));
     r.cmd("init");
     let passes = |reply: String| -> u64 {
         assert!(reply.starts_with("ok loop "), "{reply}");

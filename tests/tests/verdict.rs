@@ -15,7 +15,7 @@
 //! (FAKE_NVML_GPU_UTIL) when the process is alone on it (`nvml_device`), else the process's SM
 //! utilization from FAKE_NVML_PROCS (`nvml`); both scripted, the same at every sample.
 
-use std::{ffi::OsStr, path::Path, time::Duration};
+use std::{path::Path, time::Duration};
 
 use gpu_observer_tests::*;
 use serde_json::Value;
@@ -58,24 +58,6 @@ fn assert_class<'a>(cap: &'a Captured, pid: u32, class: &str) -> &'a Value {
     assert_eq!(whole["class"], class, "whole-run verdict {whole}; lines: {lines:#?}");
     assert_eq!(whole["hint"], last["hint"], "{whole}");
     whole
-}
-
-/// `gpu-observer run` of the workload with the fake CUPTI (records flushed every 50 ms), its
-/// fake libcuda attached up front, no NVML.
-fn run_with_cupti(dir: &Path, lib: &Path, env: &[(&str, &str)]) -> RunAgent {
-    let cupti = fixtures().join("libcupti.so.13");
-    let mut all: Vec<(&str, &OsStr)> = vec![
-        ("GPU_OBSERVER_CUPTI_PATH", cupti.as_os_str()),
-        ("GPU_OBSERVER_CUPTI_FLUSH_MS", "50".as_ref()),
-    ];
-    all.extend(env.iter().map(|(k, v)| (*k, v.as_ref())));
-    let mut r = RunAgent::start(
-        dir,
-        &["--interval-ms", "100", "--no-nvml", "--libcuda", lib.to_str().unwrap()],
-        &all,
-    );
-    r.cmd(&format!("load {}", lib.display()));
-    r
 }
 
 /// A pid the fake NVML lists on device 0 beside a test's processes, so that none of them has the
@@ -213,7 +195,7 @@ fn a_tight_launch_loop_of_tiny_kernels_is_launch_bound() {
     let lib = fresh_lib(&dir, "libcuda.so.1");
     // 200 µs of CPU a launch: ~5000 launches/s from one saturated thread (few enough that the
     // agent, on the same 2 cores, leaves that thread its core).
-    let mut r = run_with_cupti(&dir, &lib, &[("FAKE_CUDA_LAUNCH_SPIN_NS", "200000")]);
+    let mut r = RunAgent::with_cupti(&dir, &lib, &[("FAKE_CUDA_LAUNCH_SPIN_NS", "200000")]);
     let pid = r.pid;
     r.cmd("init");
     favour(pid);
@@ -321,7 +303,7 @@ fn kernels_that_keep_the_gpu_busy_are_gpu_bound_by_cupti() {
     require_root();
     let dir = scratch("verdict-gpu-cupti");
     let lib = fresh_lib(&dir, "libcuda.so.1");
-    let mut r = run_with_cupti(&dir, &lib, &[]);
+    let mut r = RunAgent::with_cupti(&dir, &lib, &[]);
     let pid = r.pid;
     r.cmd("init");
     let (iterations, _) =
@@ -370,7 +352,7 @@ fn a_sync_after_every_tiny_kernel_is_sync_bound() {
     require_root();
     let dir = scratch("verdict-sync");
     let lib = fresh_lib(&dir, "libcuda.so.1");
-    let mut r = run_with_cupti(&dir, &lib, &[("FAKE_CUDA_SYNC_US", "2000")]);
+    let mut r = RunAgent::with_cupti(&dir, &lib, &[("FAKE_CUDA_SYNC_US", "2000")]);
     let pid = r.pid;
     r.cmd("burst 1");
     r.wait_line(is_verdict_of(pid), FIRST_VERDICT_WITHIN);
@@ -511,7 +493,7 @@ fn a_starved_gpu_beside_an_idle_cpu_is_host_bound_waiting() {
     require_root();
     let dir = scratch("verdict-host-wait");
     let lib = fresh_lib(&dir, "libcuda.so.1");
-    let mut r = run_with_cupti(&dir, &lib, &[]);
+    let mut r = RunAgent::with_cupti(&dir, &lib, &[]);
     let pid = r.pid;
     r.cmd("init");
     let (iterations, _) = loop_done(&r.cmd("loop 2500 launch:100 sleep:10000"));
