@@ -186,32 +186,40 @@ impl Series {
         }
     }
 
-    /// The deviation of `x` on the slow side, and the typical value (before `x` counts).
-    fn judge(&self, x: f64, slow_is_low: bool, mode: Mode) -> (f64, f64) {
+    /// The deviation of `x` on the slow side (before `x` counts).
+    fn judge(&self, x: f64, slow_is_low: bool, mode: Mode) -> f64 {
         let sign = if slow_is_low { -1.0 } else { 1.0 };
         match mode {
             Mode::Robust => {
-                let l = x.ln() as f32;
-                let kept = &self.ring[..usize::from(self.len)];
-                // Not beyond what the series did lately: no deviation at all.
+                let l = x.ln();
+                let deviation = sign * (l - self.center) / self.scale;
+                // Faster than typical cannot flag (thresholds are positive): no need to look
+                // further. Otherwise, not beyond what the series did lately: no deviation.
+                if deviation <= 0.0 {
+                    return deviation;
+                }
+                let (l, kept) = (l as f32, &self.ring[..usize::from(self.len)]);
                 let seen = if slow_is_low {
                     kept.iter().any(|&k| k <= l)
                 } else {
                     kept.iter().any(|&k| k >= l)
                 };
-                let deviation = if seen {
-                    0.0
-                } else {
-                    sign * (x.ln() - self.center) / self.scale
-                };
-                (deviation, self.center.exp())
+                if seen { 0.0 } else { deviation }
             }
             Mode::Sigma => {
                 let sd = (self.m2 / self.seen.max(1) as f64).sqrt();
                 // A series of identical values: the smallest spread that is not zero.
                 let sd = sd.max(self.mean.abs() * 1e-9).max(f64::MIN_POSITIVE);
-                (sign * (x - self.mean) / sd, self.mean)
+                sign * (x - self.mean) / sd
             }
+        }
+    }
+
+    /// The series' typical value: its median (robust) or mean (sigma).
+    fn typical(&self, mode: Mode) -> f64 {
+        match mode {
+            Mode::Robust => self.center.exp(),
+            Mode::Sigma => self.mean,
         }
     }
 
@@ -247,17 +255,19 @@ impl Series {
 /// Judges `value` against the series (once it is warm), then adds it.
 fn step(cfg: &Config, counts: &mut Counts, s: &mut Series, what: What, value: f64) -> Option<Finding> {
     counts.checked += 1;
-    let judged = (s.seen >= u64::from(cfg.warmup)).then(|| s.judge(value, what.slow_is_low(), cfg.mode));
+    // Judged before it counts: the typical value is the series' without it.
+    let flagged = (s.seen >= u64::from(cfg.warmup))
+        .then(|| s.judge(value, what.slow_is_low(), cfg.mode))
+        .filter(|d| *d >= cfg.threshold)
+        .map(|d| (d, s.typical(cfg.mode)));
     s.add(value, cfg.warmup);
-    let (deviation, typical) = judged?;
-    (deviation >= cfg.threshold).then(|| {
-        counts.flagged += 1;
-        Finding {
-            what,
-            observed: value,
-            typical,
-            deviation,
-        }
+    let (deviation, typical) = flagged?;
+    counts.flagged += 1;
+    Some(Finding {
+        what,
+        observed: value,
+        typical,
+        deviation,
     })
 }
 
