@@ -457,6 +457,12 @@ fn bundle() -> Result<()> {
         dir.join("cuda-ground-truth"),
     )?;
     std::fs::copy(root().join("target/release/otlp-sink"), dir.join("otlp-sink"))?;
+    // gpu/validate_anomalies.sh judges each capture again in the other mode with it.
+    status(cargo().args(["build", "--release", "--example", "anomaly_replay"]))?;
+    std::fs::copy(
+        root().join("target/release/examples/anomaly_replay"),
+        dir.join("anomaly-replay"),
+    )?;
     let commit = output(
         Command::new("git")
             .args(["rev-parse", "--short", "HEAD"])

@@ -375,12 +375,20 @@ impl<W: Write> JsonlWriter<W> {
         self.head("anomaly", a.ts_ns, a.pid, a.tid, &comm)?;
         write!(self.out, ",\"what\":\"{}\",\"key\":", f.what.kind())?;
         match &f.what {
-            What::Kernel(name) => serde_json::to_writer(&mut self.out, &*name.demangled).map_err(io::Error::other)?,
+            What::Kernel { name, grid, block } => {
+                serde_json::to_writer(&mut self.out, &*name.demangled).map_err(io::Error::other)?;
+                write!(self.out, ",\"grid\":{grid:?},\"block\":{block:?}")?;
+            }
             What::Call { api, size } => write!(self.out, "{{\"api\":\"{api}\",\"size_class\":{size}}}")?,
-            What::Bandwidth { direction, size } => write!(
+            What::Bandwidth {
+                direction,
+                size,
+                on_gpu,
+            } => write!(
                 self.out,
-                "{{\"direction\":\"{}\",\"size_class\":{size}}}",
-                direction.name()
+                "{{\"direction\":\"{}\",\"size_class\":{size},\"measured\":\"{}\"}}",
+                direction.name(),
+                if *on_gpu { "gpu" } else { "call" }
             )?,
         }
         writeln!(
