@@ -1,7 +1,8 @@
 //! Issue 14: the anomaly detector end to end. Under `run` with the fake CUPTI, a steady loop
 //! of 2 µs kernels with one planted 20 µs run (10×, still under the 100 µs threshold) gives
 //! exactly one `anomaly` line, and that kernel's `gpu_kernel` line is written although
-//! duration sampling leaves out every other one.
+//! duration sampling leaves out every other one. Without CUPTI, a slow copy and synchronize
+//! among steady ones are flagged by their calls' own times.
 
 use gpu_observer_tests::*;
 use serde_json::Value;
@@ -19,10 +20,12 @@ fn one_planted_slow_kernel_among_a_steady_loop_is_flagged_and_written() {
         assert!(reply.starts_with("ok loop "), "{reply}");
         reply.split_whitespace().nth(2).unwrap().parse().unwrap()
     };
-    // Steady 2 µs kernels (the fake CUPTI: 1 µs per grid block), then one of 20 µs, then
-    // steady again.
+    // Steady 2 µs kernels (the fake CUPTI: 1 µs per grid block), then one of the same name
+    // and shape that runs 10× longer (20 µs), then steady again.
     let before = passes(r.cmd("loop 300 launch:2:steady_kernel sleep:200"));
-    assert_eq!(passes(r.cmd("loop 0 launch:20:steady_kernel")), 1);
+    r.cmd("cupti_slowdown 10");
+    assert_eq!(passes(r.cmd("loop 0 launch:2:steady_kernel")), 1);
+    r.cmd("cupti_slowdown 1");
     let after = passes(r.cmd("loop 300 launch:2:steady_kernel sleep:200"));
     assert!(before >= 64, "{before} passes: too few to warm up");
     let cap = r.finish();
@@ -51,6 +54,82 @@ fn one_planted_slow_kernel_among_a_steady_loop_is_flagged_and_written() {
     assert_eq!(
         total["anomalies"]["checked"].as_u64(),
         Some(before + 1 + after),
+        "{}",
+        total["anomalies"]
+    );
+}
+
+/// Without CUPTI, the calls' own times: a loop of 64 KiB synchronous copies (1 ms at 64 MB/s)
+/// and 1 ms synchronizes, then one pass where both take 50× longer. Exactly three findings:
+/// the copy's time, its bandwidth, and the synchronize — and every value counted as checked.
+/// (Real sleeps: the threshold is raised to 30 so that a scheduling hiccup of the test machine
+/// cannot pass for an anomaly; 50× is ~130 robust deviations even at a 3 % spread.)
+#[test]
+fn a_slow_copy_and_a_slow_synchronize_among_steady_ones_are_flagged_by_their_calls() {
+    let _g = serial();
+    require_root();
+    let dir = scratch("anomaly-calls");
+    let lib = fresh_lib(&dir, "libcuda.so.1");
+    let args = ["--libcuda", lib.to_str().unwrap(), "--no-nvml"];
+    let agent = Agent::start(
+        &dir,
+        &[&args[..], &["--anomaly-threshold", "30", "--anomaly-warmup", "16"]].concat(),
+    );
+    let mut w = Workload::start();
+    w.cmd(&format!("load {}", lib.display()));
+    let pid = w.pid;
+    w.cmd("init");
+    w.cmd("timing 1000 64");
+    let passes = |reply: String| -> u64 {
+        assert!(reply.starts_with("ok loop "), "{reply}");
+        reply.split_whitespace().nth(2).unwrap().parse().unwrap()
+    };
+    let before = passes(w.cmd("loop 80 htod:65536 sync"));
+    assert!(before >= 30, "{before} passes: too few to warm up");
+    w.cmd("timing 50000 1");
+    assert_eq!(passes(w.cmd("loop 0 htod:65536 sync")), 1);
+    w.cmd("timing 1000 64");
+    let after = passes(w.cmd("loop 40 htod:65536 sync"));
+    w.exit();
+    let cap = agent.stop();
+    let anomalies: Vec<&Value> = cap.of_type("anomaly").filter(|a| a["pid"] == pid).collect();
+    let keys: Vec<(String, String)> = anomalies
+        .iter()
+        .map(|a| (a["what"].as_str().unwrap().to_string(), a["key"].to_string()))
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            (
+                "call".to_string(),
+                r#"{"api":"cuMemcpyHtoD_v2","size_class":17}"#.to_string()
+            ),
+            (
+                "bandwidth".to_string(),
+                r#"{"direction":"cpu_to_gpu","size_class":17,"measured":"call"}"#.to_string()
+            ),
+            (
+                "call".to_string(),
+                r#"{"api":"cuStreamSynchronize","size_class":0}"#.to_string()
+            ),
+        ],
+        "{anomalies:?}"
+    );
+    // The planted copy slept 65 536 µs (1 MB/s), the synchronize 50 ms; typical: ~1 ms each.
+    let (copy, bw, sync) = (anomalies[0], anomalies[1], anomalies[2]);
+    assert!(copy["observed"].as_f64().unwrap() >= 65_536_000.0, "{copy}");
+    assert!(copy["typical"].as_f64().unwrap() < 5_000_000.0, "{copy}");
+    assert_eq!(bw["unit"], "B/s");
+    assert!(bw["observed"].as_f64().unwrap() <= 1.0e6, "{bw}");
+    assert!(bw["typical"].as_f64().unwrap() > 10.0e6, "{bw}");
+    assert!(sync["observed"].as_f64().unwrap() >= 50_000_000.0, "{sync}");
+    // The flagged calls are written (they are over 100 µs anyway) and marked.
+    let total = cap.total();
+    assert_eq!(total["anomalies"]["flagged"], 3, "{}", total["anomalies"]);
+    // Each pass: the copy's time, its bandwidth, the synchronize's time.
+    assert_eq!(
+        total["anomalies"]["checked"].as_u64(),
+        Some(3 * (before + 1 + after)),
         "{}",
         total["anomalies"]
     );
