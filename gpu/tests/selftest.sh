@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # No-GPU self-test of the validation tooling: the package gpu/gpucheck (its one JSON-lines
 # reader; compare, compare_ground_truth, compare_cupti, make_report, bench_report,
-# bench_cupti_report, compare_nvml, compare_verdicts) on synthetic JSONL, the observer lifecycle
+# bench_cupti_report, compare_nvml, compare_verdicts, compare_anomalies) on synthetic JSONL, the observer lifecycle
 # in lib.sh (all-process and `run` mode) against tests/fake_observer.py, and bench_cupti.sh,
 # validate_nvml.sh and validate_verdicts.sh end to end with the fakes.
 # Run: bash gpu/tests/selftest.sh
@@ -729,6 +729,45 @@ check "validate_verdicts.sh: EXPECT overrides it" 0 \
 check "validate_verdicts.sh: a failing workload -> rc 1, SKIP leaves a run out" "1 gemm_cupti:FAIL" \
     "$(vv_e2e vv4 KINDS=gemm SKIP=gemm/observed FAKE_WORKLOAD_FAIL=gemm) $(vv_rows vv4)"
 check "validate_verdicts.sh: ... says why" 0 "$(has "workload exit status 1" "$T/vv4.out/VERDICTS.md")"
+
+# --- anomalies (issue 14): gpucheck.compare_anomalies on synthetic runs. A planted run: 3
+# windows, a kernel finding in each (and a synchronize in the first: a consequence), one
+# finding outside (a false positive among 10 000 checked: 0.01 %).
+mkdir -p "$T/an"
+an_run() { # name: writes $T/an/NAME.{json,jsonl}; the findings' (ts, what) pairs follow
+    local n=$1
+    shift
+    "$PY" - "$T/an/$n" "$@" <<'PYEOF'
+import json, sys
+base, pairs = sys.argv[1], sys.argv[2:]
+wins = [{"index": 999 + 1000 * i, "start_ns": 1000 * (i + 1), "end_ns": 1000 * (i + 1) + 500} for i in range(3)]
+json.dump({"pid": 7, "planted": wins}, open(base + ".json", "w"))
+with open(base + ".jsonl", "w") as f:
+    for p in pairs:
+        ts, what = p.split(":")
+        f.write(json.dumps({"type": "anomaly", "pid": 7, "ts_ns": int(ts), "what": what}, separators=(",", ":")) + "\n")
+    f.write(json.dumps({"type": "anomaly", "pid": 8, "ts_ns": 5, "what": "kernel"}, separators=(",", ":")) + "\n")  # another process
+    f.write(json.dumps({"type": "summary", "scope": "total", "anomalies": {"checked": 10000, "flagged": len(pairs) + 1}}, separators=(",", ":")) + "\n")  # as the observer writes
+PYEOF
+}
+an_rc() { # name expect-kind [max-fp-rate]
+    local rc=0
+    "$PY" -m gpucheck.compare_anomalies --name "$1" --events "$T/an/$1.jsonl" --workload "$T/an/$1.json" \
+        --expect-kind "$2" --max-fp-rate "${3:-0.001}" --row-out "$T/an/$1.row.json" >"$T/an/$1.out" 2>&1 || rc=$?
+    echo "$rc"
+}
+an_row() { "$PY" -c 'import json,sys; r=json.load(open(sys.argv[1])); print(r["planted_flagged"], r["in_planted_windows"], r["false_positives"], r["pass"])' "$T/an/$1.row.json"; }
+an_run ok 1100:kernel 1400:call 2100:kernel 3200:kernel 9000:call
+check "compare_anomalies: every planted window flagged, 1 false positive in 10 000 -> pass" 0 "$(an_rc ok kernel)"
+check "compare_anomalies: ... planted 3, 4 findings in windows, 1 false positive (other pids ignored)" "3 4 1 True" "$(an_row ok)"
+an_run miss 1100:kernel 2100:call 3200:kernel
+check "compare_anomalies: a window with only a call finding when a kernel is expected -> rc 1" 1 "$(an_rc miss kernel)"
+check "compare_anomalies: ... says how many were missed" 0 "$(has "1 of 3 planted outliers not flagged" "$T/an/miss.out")"
+an_run copies 1100:call 2100:bandwidth 3200:call
+check "compare_anomalies: a planted copy is flagged by a call or bandwidth finding -> pass" 0 "$(an_rc copies copy)"
+an_run noisy 1100:kernel 2100:kernel 3200:kernel 5:call 6:call 7:call
+check "compare_anomalies: 3 false positives in 10 000 over a 0.02 % bound -> rc 1" 1 "$(an_rc noisy kernel 0.0002)"
+check "compare_anomalies: no summary -> rc 2" 2 "$(head -n 2 "$T/an/ok.jsonl" >"$T/an/cut.jsonl"; cp "$T/an/ok.json" "$T/an/cut.json"; an_rc cut kernel)"
 
 echo "$pass passed, $fail failed"
 ((fail == 0))
