@@ -38,6 +38,8 @@ pub const RING: usize = 64;
 /// Series per process, and in all.
 pub const MAX_KEYS_PER_PROCESS: usize = 4096;
 pub const MAX_KEYS: usize = 65_536;
+/// Series a full process forgets at once (its least recently used).
+const EVICT: usize = MAX_KEYS_PER_PROCESS / 8;
 /// Processes with series or state, at most.
 pub const MAX_PROCS: usize = 65_536;
 /// The smallest robust scale, in natural-log units (about 2 %: timer and scheduling jitter).
@@ -385,14 +387,18 @@ impl Detector {
             self.counts.keys_refused += 1;
             return None;
         }
-        // The least recently used goes: a scan, but only when a process has all its series in
-        // use and starts another (no ordered index to update on every value).
-        if p.series.len() >= MAX_KEYS_PER_PROCESS
-            && let Some(old) = p.series.iter().min_by_key(|(_, s)| s.touched).map(|(w, _)| w.clone())
-        {
-            p.series.remove(&old);
-            self.keys -= 1;
-            self.counts.keys_evicted += 1;
+        // The least recently used eighth goes at once: one scan when a process has all its
+        // series in use and starts another (no ordered index to update on every value), and a
+        // process that starts a new series with every launch (a new grid each time) pays
+        // that scan once per 512 of them, not each time.
+        if p.series.len() >= MAX_KEYS_PER_PROCESS {
+            let mut ages: Vec<u64> = p.series.values().map(|s| s.touched).collect();
+            let (_, &mut cut, _) = ages.select_nth_unstable(EVICT - 1);
+            let before = p.series.len();
+            p.series.retain(|_, s| s.touched > cut);
+            let gone = before - p.series.len();
+            self.keys -= gone;
+            self.counts.keys_evicted += gone as u64;
         }
         self.keys += 1;
         let s = p.series.entry(what.clone()).or_insert(Series::new(clock));
@@ -675,13 +681,13 @@ mod tests {
         for i in 0..MAX_KEYS_PER_PROCESS {
             d.observe(1, kernel(i), 100.0);
         }
-        // k0 used again: k1 is now the least recently used.
+        // k0 used again: k1..=k512 are now the least recently used eighth.
         d.observe(1, kernel(0), 100.0);
         d.observe(1, kernel(MAX_KEYS_PER_PROCESS), 100.0);
         let c = d.counts();
-        assert_eq!((c.keys, c.keys_evicted), (MAX_KEYS_PER_PROCESS as u64, 1));
-        assert!(d.procs[&1].series.contains_key(&kernel(0)));
-        assert!(!d.procs[&1].series.contains_key(&kernel(1)));
+        assert_eq!((c.keys, c.keys_evicted), ((MAX_KEYS_PER_PROCESS - 512 + 1) as u64, 512));
+        let kept = |i: usize| d.procs[&1].series.contains_key(&kernel(i));
+        assert!(kept(0) && !kept(1) && !kept(512) && kept(513) && kept(MAX_KEYS_PER_PROCESS));
         d.forget(1);
         assert_eq!(d.counts().keys, 0);
     }
