@@ -151,17 +151,21 @@ impl Pipeline {
                 for a in &self.gpu {
                     s.gpu(a)?;
                 }
-                for (src, finding) in &self.findings {
-                    let (ts_ns, pid, tid, comm) = match *src {
+                for (n, (src, finding)) in self.findings.iter().enumerate() {
+                    let (ts_ns, pid, tid, comm, flagged) = match *src {
                         anomaly::Source::Event(i) => {
                             let e = &self.batch[i];
-                            (e.ts_ns, e.pid, e.tid, &e.comm)
+                            (e.ts_ns, e.pid, e.tid, &e.comm, crate::export::Flagged::Event(e))
                         }
                         anomaly::Source::Gpu(i) => {
                             let a = &self.gpu[i];
-                            (a.rec.start_ns, a.pid, a.origin.as_ref().map_or(0, |o| o.tid), &a.comm)
+                            let tid = a.origin.as_ref().map_or(0, |o| o.tid);
+                            (a.rec.start_ns, a.pid, tid, &a.comm, crate::export::Flagged::Gpu(a))
                         }
                     };
+                    // The detector lists a call's findings together (its time, then its
+                    // bandwidth): the last is the one the next finding is not about.
+                    let last = self.findings.get(n + 1).is_none_or(|(next, _)| next != src);
                     s.anomaly(&AnomalyLine {
                         ts_ns,
                         pid,
@@ -169,6 +173,8 @@ impl Pipeline {
                         comm,
                         finding,
                         mode,
+                        flagged,
+                        last,
                     })?;
                 }
                 // A process that exited: what it never freed.

@@ -753,6 +753,97 @@ proptest! {
     }
 }
 
+/// An anomaly line as a sink sees it: what was slow, the start of the call it points at, and
+/// whether it is that call's last finding.
+type FlagLine = (&'static str, u64, bool);
+
+struct Flags(Arc<Mutex<Vec<FlagLine>>>);
+
+impl Sink for Flags {
+    fn describe(&self) -> String {
+        "the test's anomaly lines".into()
+    }
+
+    fn event(&mut self, _ev: &Event) -> Result<()> {
+        Ok(())
+    }
+
+    fn gpu(&mut self, _a: &GpuActivity) -> Result<()> {
+        Ok(())
+    }
+
+    fn anomaly(&mut self, a: &gpu_observer::export::AnomalyLine<'_>) -> Result<()> {
+        let at = match a.flagged {
+            gpu_observer::export::Flagged::Event(e) => e.ts_ns,
+            gpu_observer::export::Flagged::Gpu(g) => g.rec.start_ns,
+        };
+        assert_eq!(at, a.ts_ns, "the line's time is its call's");
+        self.0.lock().unwrap().push((a.finding.what.kind(), at, a.last));
+        Ok(())
+    }
+}
+
+#[test]
+fn anomaly_lines_point_at_the_flagged_call_and_mark_its_last_finding() {
+    let timed = |name: &str, ts_ns: u64, args: [u64; 6], duration_ns: u64| {
+        let hdr = Hdr {
+            api: api::id_of(name).unwrap(),
+            pid: 1,
+            tid: 1,
+            ts_ns,
+            comm: *b"steady\0\0\0\0\0\0\0\0\0\0",
+        };
+        let call = CallFields {
+            args,
+            out: [0; 2],
+            duration_ns,
+            ioctl_ns: 0,
+            ioctl_count: 0,
+            result: 0,
+            nested: 0,
+            read_errors: 0,
+            abandoned: false,
+        };
+        Rec::Call { hdr, call }.encode()
+    };
+    let copy = |ts_ns, duration_ns| {
+        timed(
+            "cuMemcpyHtoD_v2",
+            ts_ns,
+            [0x7f20_0000_0000, 0x7ffd_0000, 1 << 20, 0, 0, 0],
+            duration_ns,
+        )
+    };
+    let sync = |ts_ns, duration_ns| timed("cuStreamSynchronize", ts_ns, [0x51, 0, 0, 0, 0, 0], duration_ns);
+    // 40 steady copies and syncs (past the 32-value warm-up), then a copy 100× slower — slower
+    // in the call and in bandwidth: two findings — and a sync 100× slower: one.
+    let mut records = Vec::new();
+    for i in 0..40 {
+        records.push(copy(10 * i, 1_000));
+        records.push(sync(10 * i + 5, 1_000));
+    }
+    records.push(copy(1_000, 100_000));
+    records.push(sync(2_000, 100_000));
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let corr = Correlator::new(100_000).with_memory_limit_mb(LIMIT_MB, 4096);
+    let hub = nvml::Hub::new(nvml::State::Off, Duration::from_millis(100), None);
+    let (publisher, _snapshots) = Publisher::new(hub.view());
+    let sinks: Vec<Box<dyn Sink>> = vec![Box::new(Flags(lines.clone()))];
+    let mut pipe = Pipeline::new(corr, sinks, hub, None, publisher, Default::default(), 0);
+    for r in &records {
+        pipe.record(r).unwrap();
+    }
+    pipe.end_batch().unwrap();
+    assert_eq!(
+        *lines.lock().unwrap(),
+        [
+            ("call", 1_000, false),
+            ("bandwidth", 1_000, true),
+            ("call", 2_000, true)
+        ]
+    );
+}
+
 #[test]
 fn launches_read_their_names_not_the_events_they_came_with() {
     // A sanity check of the encoder the properties use: a named handle launches named.

@@ -11,4 +11,4 @@ pub mod terminal;
 pub mod text;
 
 mod sink;
-pub use sink::{AnomalyLine, LeakReport, Sink, Summary};
+pub use sink::{AnomalyLine, Flagged, LeakReport, Sink, Summary};

@@ -37,6 +37,19 @@ pub struct AnomalyLine<'a> {
     pub comm: &'a [u8; 16],
     pub finding: &'a crate::analyze::anomaly::Finding,
     pub mode: crate::analyze::anomaly::Mode,
+    /// What was flagged, as the sink was handed it: a sink that built something of its own for
+    /// that call or record (OTLP: its span) finds it by this.
+    pub flagged: Flagged<'a>,
+    /// The last finding of that call or record in this batch (a copy can be flagged twice: its
+    /// time in the call and its bandwidth), so such a sink knows when it has them all.
+    pub last: bool,
+}
+
+/// The event or GPU record an [`AnomalyLine`] is about.
+#[derive(Clone, Copy)]
+pub enum Flagged<'a> {
+    Event(&'a Event),
+    Gpu(&'a GpuActivity),
 }
 
 /// The end of a run, for the sinks that write a summary.
