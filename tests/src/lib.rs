@@ -457,17 +457,20 @@ impl RunAgent {
     /// `run` of the workload with the fake CUPTI (records flushed every 50 ms) and `lib`, a
     /// fresh fake libcuda, attached up front and loaded; no NVML; ticks every 100 ms.
     pub fn with_cupti(dir: &Path, lib: &Path, env: &[(&str, &str)]) -> RunAgent {
+        Self::with_cupti_args(dir, lib, &[], env)
+    }
+
+    /// [`with_cupti`](Self::with_cupti), with more options for the observer (`--otlp-*`).
+    pub fn with_cupti_args(dir: &Path, lib: &Path, args: &[&str], env: &[(&str, &str)]) -> RunAgent {
         let cupti = fixtures().join("libcupti.so.13");
         let mut all: Vec<(&str, &std::ffi::OsStr)> = vec![
             ("GPU_OBSERVER_CUPTI_PATH", cupti.as_os_str()),
             ("GPU_OBSERVER_CUPTI_FLUSH_MS", "50".as_ref()),
         ];
         all.extend(env.iter().map(|(k, v)| (*k, v.as_ref())));
-        let mut r = RunAgent::start(
-            dir,
-            &["--interval-ms", "100", "--no-nvml", "--libcuda", lib.to_str().unwrap()],
-            &all,
-        );
+        let mut opts = vec!["--interval-ms", "100", "--no-nvml", "--libcuda", lib.to_str().unwrap()];
+        opts.extend_from_slice(args);
+        let mut r = RunAgent::start(dir, &opts, &all);
         r.cmd(&format!("load {}", lib.display()));
         r
     }

@@ -346,3 +346,357 @@ fn gpu_time_by_class_counts_each_gpu_a_process_holds_and_names_no_pid() {
     assert!(by_gpu["GPU-fake-0000"] <= elapsed, "{pts:?} in {elapsed} s");
     assert!(gpu_bound["GPU-fake-0000"] >= 2.0, "{pts:?}");
 }
+
+/// A double attribute's value.
+fn double(attrs: &[opentelemetry_proto::tonic::common::v1::KeyValue], key: &str) -> f64 {
+    use opentelemetry_proto::tonic::common::v1::any_value::Value as V;
+    match attrs
+        .iter()
+        .find(|kv| kv.key == key)
+        .and_then(|kv| kv.value.as_ref()?.value.as_ref())
+    {
+        Some(V::DoubleValue(d)) => *d,
+        other => panic!("{key}: not a double: {other:?}"),
+    }
+}
+
+type Span = opentelemetry_proto::tonic::trace::v1::Span;
+type SpanEvent = opentelemetry_proto::tonic::trace::v1::span::Event;
+
+/// The received spans' `gpu.anomaly` events are exactly the JSON `anomaly` lines: as many, and
+/// each line the one event with its numbers, at the start of the span it is on. Returns each
+/// line's span and event, in the lines' order.
+fn events_of<'a>(spans: &'a [Span], lines: &[&Value]) -> Vec<(&'a Span, &'a SpanEvent)> {
+    let events: Vec<(&Span, &SpanEvent)> = spans
+        .iter()
+        .flat_map(|s| s.events.iter().map(move |e| (s, e)))
+        .collect();
+    assert_eq!(events.len(), lines.len(), "{lines:?}\n{events:?}");
+    // The JSON line rounds observed and typical to 0.1, deviation to 0.01.
+    let tenth = |v: f64| format!("{v:.1}");
+    let mut out = Vec::new();
+    for l in lines {
+        let observed = tenth(l["observed"].as_f64().unwrap());
+        let same: Vec<&(&Span, &SpanEvent)> = events
+            .iter()
+            .filter(|(_, e)| tenth(double(&e.attributes, "gpu.anomaly.observed")) == observed)
+            .collect();
+        assert_eq!(same.len(), 1, "{l}: {same:?}");
+        let (s, e) = *same[0];
+        let a = &e.attributes;
+        assert_eq!(e.name, "gpu.anomaly");
+        assert_eq!(e.time_unix_nano, s.start_time_unix_nano, "{l}");
+        assert_eq!(attr(a, "gpu.anomaly.what").as_deref(), l["what"].as_str(), "{l}");
+        let key = match &l["key"] {
+            Value::String(kernel) => kernel.clone(),
+            k => k["api"].as_str().or(k["direction"].as_str()).unwrap().to_string(),
+        };
+        assert_eq!(attr(a, "gpu.anomaly.key"), Some(key), "{l}");
+        assert_eq!(
+            attr(a, "gpu.anomaly.size_class"),
+            l["key"].get("size_class").map(Value::to_string),
+            "{l}"
+        );
+        assert_eq!(attr(a, "gpu.anomaly.unit").as_deref(), l["unit"].as_str(), "{l}");
+        assert_eq!(attr(a, "gpu.anomaly.mode").as_deref(), l["mode"].as_str(), "{l}");
+        assert_eq!(
+            tenth(double(a, "gpu.anomaly.typical")),
+            tenth(l["typical"].as_f64().unwrap()),
+            "{l}"
+        );
+        let deviation = double(a, "gpu.anomaly.deviation");
+        assert_eq!(
+            format!("{deviation:.2}"),
+            format!("{:.2}", l["deviation"].as_f64().unwrap()),
+            "{l}"
+        );
+        out.push((s, e));
+    }
+    out
+}
+
+/// `gpu.anomalies`: a monotonic counter in `{anomaly}`, labelled by what and mode only (no pid,
+/// no kernel; no pod here: not in a container), counting the JSON lines by what.
+fn check_anomaly_counter(rx: &Receiver, lines: &[&Value]) {
+    let (_, m) = rx.metric("gpu.anomalies").expect("gpu.anomalies exported");
+    assert_eq!(m.unit, "{anomaly}");
+    match &m.data {
+        Some(opentelemetry_proto::tonic::metrics::v1::metric::Data::Sum(s)) => assert!(s.is_monotonic),
+        other => panic!("not a counter: {other:?}"),
+    }
+    let mut counted: BTreeMap<(String, String), f64> = BTreeMap::new();
+    for (a, v) in points(&m) {
+        let mut keys: Vec<&str> = a.iter().map(|kv| kv.key.as_str()).collect();
+        keys.sort_unstable();
+        assert_eq!(keys, ["gpu.anomaly.mode", "gpu.anomaly.what"], "{a:?}");
+        let what = attr(&a, "gpu.anomaly.what").unwrap();
+        counted.insert((what, attr(&a, "gpu.anomaly.mode").unwrap()), v);
+    }
+    let mut want: BTreeMap<(String, String), f64> = BTreeMap::new();
+    for l in lines {
+        let key = (
+            l["what"].as_str().unwrap().to_string(),
+            l["mode"].as_str().unwrap().to_string(),
+        );
+        *want.entry(key).or_default() += 1.0;
+    }
+    assert_eq!(counted, want);
+}
+
+/// Issue 14: anomalies over OTLP. The planted slow kernel of tests/anomaly.rs (a 20 µs run of
+/// a steady 2 µs kernel of the same name and shape, under the fake CUPTI) is one `gpu.anomaly`
+/// event on its own `gpu_kernel` span — observed its duration there — with the numbers of its
+/// JSON `anomaly` line, and `gpu.anomalies` counts it once. At one span a second (the launches
+/// take each second's), the span rate limit is what would have dropped it.
+#[test]
+fn a_planted_slow_kernel_is_an_event_on_its_gpu_span_and_counted_once() {
+    let _g = serial();
+    require_root();
+    let rx = Receiver::grpc();
+    let dir = scratch("otlp-anomaly-kernel");
+    let lib = fresh_lib(&dir, "libcuda.so.1");
+    let endpoint = rx.endpoint();
+    let mut r = RunAgent::with_cupti_args(
+        &dir,
+        &lib,
+        &["--otlp-endpoint", &endpoint, "--otlp-max-spans-per-sec", "1"],
+        &[],
+    );
+    let pid = r.pid;
+    r.cmd("init");
+    for script in [
+        "loop 300 launch:2:steady_kernel sleep:200",
+        "cupti_slowdown 10",
+        "loop 0 launch:2:steady_kernel",
+        "cupti_slowdown 1",
+        "loop 300 launch:2:steady_kernel sleep:200",
+    ] {
+        let reply = r.cmd(script);
+        assert!(reply.starts_with("ok "), "{reply}");
+    }
+    let cap = r.finish();
+    let err = cap.stderr.join("\n");
+    let lines: Vec<&Value> = cap.of_type("anomaly").filter(|a| a["pid"] == pid).collect();
+    assert_eq!(lines.len(), 1, "{lines:?}\n{err}");
+    let slow: Vec<&Value> = cap
+        .of_type("gpu_kernel")
+        .filter(|k| k["pid"] == pid && k["gpu_duration_ns"] == 20_000)
+        .collect();
+    assert_eq!(slow.len(), 1, "{slow:?}");
+
+    let spans: Vec<Span> = rx.spans().into_iter().map(|(_, s)| s).collect();
+    let found = events_of(&spans, &lines);
+    let (span, e) = found[0];
+    assert_eq!(span.name, "gpu_kernel steady_kernel");
+    assert_eq!(
+        attr(&span.attributes, "gpu.cuda.correlation_id"),
+        Some(slow[0]["correlation_id"].to_string())
+    );
+    let took = span.end_time_unix_nano - span.start_time_unix_nano;
+    assert_eq!(took, 20_000);
+    // At the kernel's GPU start, with exactly these attributes.
+    assert_eq!(e.time_unix_nano, span.start_time_unix_nano);
+    let keys: Vec<&str> = e.attributes.iter().map(|kv| kv.key.as_str()).collect();
+    assert_eq!(
+        keys,
+        [
+            "gpu.anomaly.what",
+            "gpu.anomaly.key",
+            "gpu.anomaly.observed",
+            "gpu.anomaly.typical",
+            "gpu.anomaly.unit",
+            "gpu.anomaly.deviation",
+            "gpu.anomaly.mode"
+        ]
+    );
+    let a = &e.attributes;
+    assert_eq!(attr(a, "gpu.anomaly.what").as_deref(), Some("kernel"));
+    assert_eq!(attr(a, "gpu.anomaly.key").as_deref(), Some("steady_kernel"));
+    assert_eq!(attr(a, "gpu.anomaly.unit").as_deref(), Some("ns"));
+    assert_eq!(attr(a, "gpu.anomaly.mode").as_deref(), Some("robust"));
+    assert_eq!(double(a, "gpu.anomaly.observed"), took as f64);
+    // The series keeps ln(value) as f32: typical is 2 µs to f32 precision.
+    assert_eq!(format!("{:.1}", double(a, "gpu.anomaly.typical")), "2000.0");
+    // ln(10) over the robust scale's floor (0.02): 115 deviations.
+    assert!((double(a, "gpu.anomaly.deviation") - 10f64.ln() / 0.02).abs() < 0.01);
+    check_anomaly_counter(&rx, &lines);
+    let o = &cap.total()["otlp"];
+    assert_eq!(o["anomalies_dropped"], 0, "{o}");
+    assert_eq!(o["anomalies_unattached"], 0, "{o}");
+    assert!(
+        o["spans_sampled_out"].as_u64().unwrap() > 0,
+        "the rate limit left spans out: {o}"
+    );
+}
+
+/// Without CUPTI, the planted slow copy and synchronize of tests/anomaly.rs (one pass at 50×
+/// the steady 1 ms, threshold 30): the copy's span carries two events — its time, then the
+/// bandwidth its call measured — and the synchronize's one; observed is each call's time
+/// there (its bandwidth: bytes over it). The steady calls really sleep: on a loaded machine one
+/// may wake late enough to be flagged too, so the planted ones are found by their times, and
+/// every line is checked as an event.
+#[test]
+fn a_slow_copy_and_synchronize_are_events_on_their_call_spans() {
+    let _g = serial();
+    require_root();
+    let rx = Receiver::grpc();
+    let dir = scratch("otlp-anomaly-calls");
+    let lib = fresh_lib(&dir, "libcuda.so.1");
+    let endpoint = rx.endpoint();
+    let agent = Agent::start(
+        &dir,
+        &[
+            "--libcuda",
+            lib.to_str().unwrap(),
+            "--no-nvml",
+            "--anomaly-threshold",
+            "30",
+            "--anomaly-warmup",
+            "16",
+            "--otlp-endpoint",
+            &endpoint,
+        ],
+    );
+    let mut w = Workload::start();
+    w.cmd(&format!("load {}", lib.display()));
+    let pid = w.pid;
+    for script in [
+        "init",
+        "timing 1000 64",
+        "loop 80 htod:65536 sync",
+        "timing 50000 1",
+        "loop 0 htod:65536 sync",
+        "timing 1000 64",
+        "loop 40 htod:65536 sync",
+    ] {
+        let reply = w.cmd(script);
+        assert!(reply.starts_with("ok "), "{reply}");
+    }
+    w.exit();
+    let cap = agent.stop();
+    let lines: Vec<&Value> = cap.of_type("anomaly").filter(|a| a["pid"] == pid).collect();
+    let spans: Vec<Span> = rx.spans().into_iter().map(|(_, s)| s).collect();
+    let found = events_of(&spans, &lines);
+    // The planted ones: the copy slept 65 536 µs (1 MB/s), the synchronize 50 ms.
+    let planted = |api: &str, at_least: f64| -> usize {
+        let i: Vec<usize> = (0..lines.len())
+            .filter(|i| lines[*i]["key"]["api"] == api && lines[*i]["observed"].as_f64().unwrap() >= at_least)
+            .collect();
+        assert_eq!(i.len(), 1, "{api}: {lines:?}");
+        i[0]
+    };
+    let (c, y) = (
+        planted("cuMemcpyHtoD_v2", 65_536_000.0),
+        planted("cuStreamSynchronize", 50e6),
+    );
+    let bw: Vec<usize> = (0..lines.len())
+        .filter(|i| lines[*i]["what"] == "bandwidth" && lines[*i]["ts_ns"] == lines[c]["ts_ns"])
+        .collect();
+    assert_eq!(bw.len(), 1, "{lines:?}");
+    let ((copy, copy_took), (bw_span, bw), (sync, sync_took)) = (found[c], found[bw[0]], found[y]);
+    assert_eq!(copy.name, "cuMemcpyHtoD_v2");
+    assert_eq!(sync.name, "cuStreamSynchronize");
+    // Both findings of the copy on its one span, in the order found.
+    assert_eq!(bw_span.span_id, copy.span_id);
+    let names: Vec<String> = copy
+        .events
+        .iter()
+        .map(|e| attr(&e.attributes, "gpu.anomaly.what").unwrap())
+        .collect();
+    assert_eq!(names, ["call", "bandwidth"]);
+    assert_eq!(sync.events.len(), 1);
+    let took = |s: &Span| (s.end_time_unix_nano - s.start_time_unix_nano) as f64;
+    assert_eq!(double(&copy_took.attributes, "gpu.anomaly.observed"), took(copy));
+    assert_eq!(double(&sync_took.attributes, "gpu.anomaly.observed"), took(sync));
+    assert_eq!(
+        double(&bw.attributes, "gpu.anomaly.observed"),
+        65_536.0 * 1e9 / took(copy)
+    );
+    check_anomaly_counter(&rx, &lines);
+    let o = &cap.total()["otlp"];
+    assert_eq!(o["anomalies_dropped"], 0, "{o}");
+    assert_eq!(o["anomalies_unattached"], 0, "{o}");
+}
+
+/// Under `run` with the fake CUPTI, a loop of 511-byte copies whose GPU records take 500 ns
+/// each (the fake's `500 + bytes / 1000` ns), then one of 256 bytes — the same size class (9),
+/// half the bandwidth on the GPU: that copy's `gpu_memcpy` span carries its finding, observed
+/// its bytes over its duration there. Its series' values are all equal (the scale's 2 % floor):
+/// ln(511/256) / 0.02 ≈ 34.6 robust deviations low. The copies' own calls are real and short:
+/// a preempted one may be flagged too, so every line is checked as an event, not their number.
+#[test]
+fn a_slow_gpu_copy_is_an_event_on_its_gpu_memcpy_span() {
+    let _g = serial();
+    require_root();
+    let rx = Receiver::grpc();
+    let dir = scratch("otlp-anomaly-gpu-copy");
+    let lib = fresh_lib(&dir, "libcuda.so.1");
+    let endpoint = rx.endpoint();
+    let mut r = RunAgent::with_cupti_args(
+        &dir,
+        &lib,
+        &["--otlp-endpoint", &endpoint, "--otlp-max-spans-per-sec", "0"],
+        &[],
+    );
+    let pid = r.pid;
+    r.cmd("init");
+    let passes = |reply: String| -> u64 {
+        assert!(reply.starts_with("ok loop "), "{reply}");
+        reply.split_whitespace().nth(2).unwrap().parse().unwrap()
+    };
+    let before = passes(r.cmd("loop 300 htod:511 sleep:200"));
+    assert!(before >= 64, "{before} passes: too few to warm up");
+    assert_eq!(passes(r.cmd("loop 0 htod:256")), 1);
+    passes(r.cmd("loop 300 htod:511 sleep:200"));
+    let cap = r.finish();
+    let err = cap.stderr.join("\n");
+    let lines: Vec<&Value> = cap.of_type("anomaly").filter(|a| a["pid"] == pid).collect();
+    let on_gpu: Vec<usize> = (0..lines.len())
+        .filter(|i| lines[*i]["key"]["measured"] == "gpu")
+        .collect();
+    assert_eq!(on_gpu.len(), 1, "{lines:?}\n{err}");
+    let line = lines[on_gpu[0]];
+    assert_eq!(
+        line["key"].to_string(),
+        r#"{"direction":"cpu_to_gpu","size_class":9,"measured":"gpu"}"#,
+        "{line}"
+    );
+    let slow: Vec<&Value> = cap
+        .of_type("gpu_memcpy")
+        .filter(|m| m["pid"] == pid && m["bytes"] == 256)
+        .collect();
+    assert_eq!(slow.len(), 1, "{slow:?}");
+
+    let spans: Vec<Span> = rx.spans().into_iter().map(|(_, s)| s).collect();
+    let found = events_of(&spans, &lines);
+    for (i, (s, _)) in found.iter().enumerate() {
+        // A call's findings on its call's span, the GPU record's on its own.
+        let want = if i == on_gpu[0] {
+            "gpu_memcpy"
+        } else {
+            "cuMemcpyHtoD_v2"
+        };
+        assert_eq!(s.name, want, "{}", lines[i]);
+    }
+    let (span, e) = found[on_gpu[0]];
+    assert_eq!(
+        attr(&span.attributes, "gpu.cuda.correlation_id"),
+        Some(slow[0]["correlation_id"].to_string())
+    );
+    assert_eq!(span.events.len(), 1);
+    let took = span.end_time_unix_nano - span.start_time_unix_nano;
+    assert_eq!(took, 500);
+    let a = &e.attributes;
+    assert_eq!(attr(a, "gpu.anomaly.key").as_deref(), Some("cpu_to_gpu"));
+    assert_eq!(attr(a, "gpu.anomaly.size_class").as_deref(), Some("9"));
+    assert_eq!(double(a, "gpu.anomaly.observed"), 256.0 * 1e9 / took as f64);
+    // The series keeps ln(value) as f32: typical is 511 B / 500 ns to f32 precision.
+    let typical = double(a, "gpu.anomaly.typical");
+    assert!((typical / (511.0 * 1e9 / 500.0) - 1.0).abs() < 1e-5, "{typical}");
+    let deviation = double(a, "gpu.anomaly.deviation");
+    assert!((deviation - (511.0f64 / 256.0).ln() / 0.02).abs() < 0.01, "{deviation}");
+    check_anomaly_counter(&rx, &lines);
+    let o = &cap.total()["otlp"];
+    assert_eq!(o["anomalies_dropped"], 0, "{o}");
+    assert_eq!(o["anomalies_unattached"], 0, "{o}");
+}

@@ -13,7 +13,7 @@ use opentelemetry::{
 };
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 
-use super::{Counters, resource::SharedProcAttrs};
+use super::{Counters, anomalies::SharedTally, resource::SharedProcAttrs};
 use crate::snapshot::{ProcessView, Snapshots};
 
 /// Hands a value and its attributes to the instrument.
@@ -34,6 +34,7 @@ pub fn register(
     gpu_time: crate::analyze::gpu_time::Published,
     counters: &Arc<Counters>,
     procs: &SharedProcAttrs,
+    anomalies: &SharedTally,
 ) -> Histogram<f64> {
     let m = meters.meter("gpu-observer");
 
@@ -152,6 +153,32 @@ pub fn register(
             }
         })
         .build();
+
+    // Anomalies found, by what was slow and the pod: no pid, no kernel name (cardinality; the
+    // span events name them). Counted by the span thread (anomalies.rs).
+    {
+        let t = anomalies.clone();
+        m.u64_observable_counter("gpu.anomalies")
+            .with_unit("{anomaly}")
+            .with_description(
+                "Kernels, calls and copy bandwidths far slower than their series' recent values (docs/DESIGN.md, Anomalies)",
+            )
+            .with_callback(move |obs| {
+                t.lock().unwrap_or_else(PoisonError::into_inner).each(|k, n| {
+                    let mut a = vec![
+                        KeyValue::new("gpu.anomaly.what", k.what),
+                        KeyValue::new("gpu.anomaly.mode", k.mode),
+                    ];
+                    if let Some(p) = &k.pod {
+                        a.push(KeyValue::new("k8s.pod.name", p.pod.clone()));
+                        a.push(KeyValue::new("k8s.namespace.name", p.namespace.clone()));
+                        a.push(KeyValue::new("k8s.container.name", p.container.clone()));
+                    }
+                    obs.observe(n, &a);
+                });
+            })
+            .build();
+    }
 
     // Devices, from the latest NVML samples.
     let per_gpu = |name: &'static str, unit: &'static str, counter: bool, f: FromDevice| {

@@ -14,12 +14,18 @@
 //! exports the spans, with a timeout per export, retries with backoff, and a deadline at exit.
 //! Metrics are observable instruments read from the latest snapshot by the SDK's periodic
 //! reader, every `--otlp-interval-ms` too; the one histogram (kernel GPU time) is recorded by
-//! the export thread.
+//! the export thread, and so are the totals of the anomaly counter.
+//!
+//! Anomalies (analyze/anomaly.rs) reach the span thread after the events and GPU records of
+//! their batch, as the reader hands them to every sink; the span thread holds the span of a
+//! flagged call or record until its findings come, and hangs each on it as a `gpu.anomaly`
+//! event (`anomalies`).
 //!
 //! Here: the configuration, the counters, the reader's [`Sender`] and the running [`Otlp`].
 //! `spans` builds the spans, `metrics` registers the instruments, `resource` says who exports
 //! and about which process, `transport` reaches the collector.
 
+mod anomalies;
 mod metrics;
 mod resource;
 mod spans;
@@ -47,7 +53,13 @@ use self::{
     spans::Spans,
     transport::{BackgroundRuntime, Counting},
 };
-use crate::{correlate::cupti_join::GpuActivity, decode::Event, nvml, snapshot::Snapshots};
+use crate::{
+    correlate::cupti_join::GpuActivity,
+    decode::Event,
+    export::{AnomalyLine, Flagged},
+    nvml,
+    snapshot::Snapshots,
+};
 
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -82,12 +94,21 @@ pub struct Counters {
     pub ioctls_unparented: AtomicU64,
     /// Trace windows closed before their interval ended because [`spans::MAX_WINDOWS`] were open.
     pub windows_closed_early: AtomicU64,
+    /// Findings the queue had no room for: neither a span event nor counted in `gpu.anomalies`.
+    pub anomalies_dropped: AtomicU64,
+    /// Findings whose span was not there to carry their event (its call was lost to a full
+    /// queue or over the span rate, or its span waited past [`spans::HOLD`] or behind 4 096
+    /// others and went out without it); still counted in `gpu.anomalies`.
+    pub anomalies_unattached: AtomicU64,
+    /// Keys of `gpu.anomalies` forgotten for newer ones ([`anomalies::MAX_KEYS`]).
+    pub anomaly_keys_evicted: AtomicU64,
 }
 
 /// What the reader thread hands over.
 enum Item {
     Event(Event),
     Gpu(GpuActivity),
+    Anomaly(anomalies::Flag),
 }
 
 /// The running exporter.
@@ -124,6 +145,29 @@ impl crate::export::Sink for Sender {
         Ok(())
     }
 
+    fn anomaly(&mut self, a: &AnomalyLine<'_>) -> Result<()> {
+        let at = match a.flagged {
+            Flagged::Event(ev) => anomalies::SpanKey::of_event(ev),
+            Flagged::Gpu(g) => anomalies::SpanKey::of_gpu(g),
+        };
+        let flag = anomalies::Flag {
+            at,
+            comm: *a.comm,
+            ts_ns: a.ts_ns,
+            finding: a.finding.clone(),
+            mode: a.mode,
+            last: a.last,
+        };
+        if self
+            .tx
+            .as_ref()
+            .is_none_or(|tx| tx.try_send(Item::Anomaly(flag)).is_err())
+        {
+            self.counters.anomalies_dropped.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
     fn close(&mut self) {
         self.tx = None;
     }
@@ -150,6 +194,9 @@ impl Counters {
             "metric_export_failures": g(&self.metric_failures),
             "ioctls_unparented": g(&self.ioctls_unparented),
             "windows_closed_early": g(&self.windows_closed_early),
+            "anomalies_dropped": g(&self.anomalies_dropped),
+            "anomalies_unattached": g(&self.anomalies_unattached),
+            "anomaly_keys_evicted": g(&self.anomaly_keys_evicted),
         })
     }
 }
@@ -207,12 +254,13 @@ pub fn start(
         .with_reader(reader)
         .build();
     let procs = ProcAttrs::new(cfg.command_line);
-    let kernel_time = metrics::register(&meters, &snapshots, gpu_time, &counters, &procs);
+    let tally = anomalies::SharedTally::default();
+    let kernel_time = metrics::register(&meters, &snapshots, gpu_time, &counters, &procs, &tally);
     let (tx, rx) = sync_channel(cfg.queue);
     let c = counters.clone();
     let thread = std::thread::Builder::new().name("otlp-export".into()).spawn({
         let handle = handle.clone();
-        move || Spans::new(cfg, c, kernel_time, procs).run(&rx, &spans, &handle)
+        move || Spans::new(cfg, c, kernel_time, procs, tally).run(&rx, &spans, &handle)
     })?;
     drop(_guard);
     Ok(Otlp {
@@ -222,4 +270,75 @@ pub fn start(
         meters,
         _rt: rt,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        analyze::anomaly::{Finding, Mode, What},
+        decode::Body,
+        export::Sink as _,
+    };
+
+    #[test]
+    fn a_finding_names_its_calls_span_and_one_the_queue_has_no_room_for_is_counted() {
+        let (tx, rx) = sync_channel(1);
+        let counters = Arc::new(Counters::default());
+        let mut s = Sender {
+            tx: Some(tx),
+            counters: counters.clone(),
+        };
+        let ev = Event {
+            ts_ns: 5_000,
+            pid: 10,
+            tid: 11,
+            comm: *b"train\0\0\0\0\0\0\0\0\0\0\0",
+            api: None,
+            body: Body::ProcessExit,
+        };
+        let finding = Finding {
+            what: What::Call {
+                api: "cuStreamSynchronize",
+                size: 0,
+            },
+            observed: 9e5,
+            typical: 1e5,
+            deviation: 40.0,
+        };
+        let line = AnomalyLine {
+            ts_ns: ev.ts_ns,
+            pid: ev.pid,
+            tid: ev.tid,
+            comm: &ev.comm,
+            finding: &finding,
+            mode: Mode::Robust,
+            flagged: Flagged::Event(&ev),
+            last: true,
+        };
+        s.anomaly(&line).unwrap();
+        // The queue (of one) is full now.
+        s.anomaly(&line).unwrap();
+        assert_eq!(counters.anomalies_dropped.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            counters.spans_dropped.load(Ordering::Relaxed),
+            0,
+            "a finding is not a span"
+        );
+        let Ok(Item::Anomaly(f)) = rx.try_recv() else {
+            panic!("no finding queued")
+        };
+        assert_eq!(
+            f.at,
+            anomalies::SpanKey::Call {
+                pid: 10,
+                tid: 11,
+                ts_ns: 5_000
+            }
+        );
+        assert_eq!(
+            (f.ts_ns, f.last, f.mode, &f.finding),
+            (5_000, true, Mode::Robust, &finding)
+        );
+    }
 }

@@ -1,7 +1,9 @@
 //! The span thread: turns the events and GPU records the reader hands over into spans — one
 //! trace per process per window, a root span for the process, a span per CUDA call with its
 //! ioctls under it, a span per GPU kernel or copy — samples them as configured, and exports
-//! them in batches. It also records the kernel GPU-time histogram.
+//! them in batches. It also records the kernel GPU-time histogram, and hangs the anomaly
+//! detector's findings on the spans of the calls and records they flag (`gpu.anomaly` events)
+//! and counts them (`gpu.anomalies`).
 
 use std::{
     borrow::Cow,
@@ -23,8 +25,14 @@ use opentelemetry::{
 };
 use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanLinks};
 
-use super::{Config, Counters, Item, resource::SharedProcAttrs, transport};
+use super::{
+    Config, Counters, Item,
+    anomalies::{self, Flag, SharedTally, SpanKey},
+    resource::SharedProcAttrs,
+    transport,
+};
 use crate::{
+    analyze::gpu_time::Pod,
     clock::{WallClock, monotonic_ns},
     correlate::cupti_join::GpuActivity,
     decode::{Body, Event},
@@ -48,6 +56,13 @@ pub(super) const MAX_WINDOWS: usize = 4096;
 /// kernels past either are labelled `other`.
 const KERNEL_LABELS: usize = 4096;
 const KERNEL_LABEL_BYTES: usize = 256 << 10;
+/// How long the span of a flagged call waits for its findings. They come right after their
+/// batch's events and GPU records; only a finding the queue had no room for (counted) leaves a
+/// span waiting this long, after which it goes out as it is.
+pub(super) const HOLD: Duration = Duration::from_secs(1);
+/// Spans waiting for their findings; past it the oldest goes out as it is (its findings are
+/// then counted `anomalies_unattached`). A reader batch is at most 4096 records.
+const MAX_HELD: usize = 4096;
 
 /// One process's current trace window.
 struct Window {
@@ -59,7 +74,21 @@ struct Window {
     spans: u64,
     /// Token bucket for `max_spans_per_sec`: spans left in the current second.
     budget: u64,
+    /// Spans of flagged calls and records that may still go out this second once `budget` is
+    /// spent: as many again (the limit must not hide what was anomalous, nor let a process
+    /// flagged that often flood the backend).
+    anomaly_budget: u64,
     budget_second: u64,
+}
+
+/// The span of a flagged call or GPU record, waiting for its findings.
+struct Held {
+    at: SpanKey,
+    span: SpanData,
+    /// Its process's pod, read when the span was built (the process may be gone by the time
+    /// the findings come: they follow the batch's events, its exit among them).
+    pod: Option<Arc<Pod>>,
+    since: Instant,
 }
 
 /// A pending ioctl, waiting for its call's span.
@@ -89,6 +118,10 @@ pub(super) struct Spans {
     kernel_ns_bytes: usize,
     top: Vec<Arc<str>>,
     last_top: Instant,
+    /// Spans of flagged calls and records waiting for their findings, in the order they were
+    /// built — the order their findings come in.
+    held: VecDeque<Held>,
+    anomalies: SharedTally,
 }
 
 impl Spans {
@@ -97,6 +130,7 @@ impl Spans {
         counters: Arc<Counters>,
         kernel_time: Histogram<f64>,
         procs: SharedProcAttrs,
+        anomalies: SharedTally,
     ) -> Self {
         Self {
             cfg,
@@ -116,6 +150,8 @@ impl Spans {
             kernel_ns_bytes: 0,
             top: Vec::new(),
             last_top: Instant::now(),
+            held: VecDeque::new(),
+            anomalies,
         }
     }
 
@@ -132,6 +168,9 @@ impl Spans {
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => break,
             }
+            if !self.held.is_empty() {
+                self.release_held(Some(Instant::now()));
+            }
             let now = monotonic_ns();
             self.close_windows(now, false);
             if self.batch.len() >= BATCH || last_export.elapsed() >= Duration::from_secs(1) {
@@ -146,6 +185,7 @@ impl Spans {
         for p in pending {
             self.orphan(p.pid, p.span);
         }
+        self.release_held(None);
         self.close_windows(u64::MAX, true);
         self.export(exp, rt, 1);
     }
@@ -169,8 +209,8 @@ impl Spans {
     }
 
     /// The window for `pid` at `ts`, opening one (and closing the old) as needed; `None` when
-    /// the process is over its span rate.
-    fn window(&mut self, pid: u32, comm: &str, ts: u64) -> Option<(TraceId, SpanId)> {
+    /// the process is over its span rate (`anomalous`: over its allowance for flagged spans).
+    fn window(&mut self, pid: u32, comm: &str, ts: u64, anomalous: bool) -> Option<(TraceId, SpanId)> {
         let interval = self.cfg.interval.as_nanos() as u64;
         if self.windows.get(&pid).is_some_and(|w| ts >= w.start_ns + interval)
             && let Some(w) = self.windows.remove(&pid)
@@ -199,6 +239,7 @@ impl Spans {
                     comm: comm.to_string(),
                     spans: 0,
                     budget: self.cfg.max_spans_per_sec,
+                    anomaly_budget: self.cfg.max_spans_per_sec,
                     budget_second: ts / 1_000_000_000,
                 },
             );
@@ -209,13 +250,17 @@ impl Spans {
         if second != w.budget_second {
             w.budget_second = second;
             w.budget = self.cfg.max_spans_per_sec;
+            w.anomaly_budget = self.cfg.max_spans_per_sec;
         }
         if self.cfg.max_spans_per_sec > 0 {
-            if w.budget == 0 {
+            if w.budget > 0 {
+                w.budget -= 1;
+            } else if anomalous && w.anomaly_budget > 0 {
+                w.anomaly_budget -= 1;
+            } else {
                 self.counters.spans_sampled_out.fetch_add(1, Ordering::Relaxed);
                 return None;
             }
-            w.budget -= 1;
         }
         w.spans += 1;
         Some((w.trace_id, w.root))
@@ -291,6 +336,75 @@ impl Spans {
         match item {
             Item::Event(ev) => self.event(ev),
             Item::Gpu(a) => self.gpu(&a),
+            Item::Anomaly(f) => self.anomaly(&f),
+        }
+    }
+
+    /// The pod of a process, for the anomaly counter.
+    fn pod(&self, pid: u32, comm: &str) -> Option<Arc<Pod>> {
+        anomalies::pod_of(&self.procs.lock().unwrap_or_else(PoisonError::into_inner).of(pid, comm))
+    }
+
+    /// The span of a flagged call or record: held until its findings come.
+    fn hold(&mut self, at: SpanKey, comm: &str, span: SpanData) {
+        if self.held.len() >= MAX_HELD
+            && let Some(h) = self.held.pop_front()
+        {
+            self.batch.push(h.span);
+        }
+        let pod = self.pod(at.pid(), comm);
+        self.held.push_back(Held {
+            at,
+            span,
+            pod,
+            since: Instant::now(),
+        });
+    }
+
+    /// Held spans go out: those held past [`HOLD`] at `now`, or all (`None`, at exit).
+    fn release_held(&mut self, now: Option<Instant>) {
+        while let Some(h) = self.held.front() {
+            if now.is_some_and(|now| now.duration_since(h.since) < HOLD) {
+                break;
+            }
+            if let Some(h) = self.held.pop_front() {
+                self.batch.push(h.span);
+            }
+        }
+    }
+
+    /// A finding: counted, and an event on its span (which goes out after its last finding).
+    fn anomaly(&mut self, f: &Flag) {
+        let pos = self.held.iter().position(|h| h.at == f.at);
+        let pod = match pos {
+            Some(p) => self.held[p].pod.clone(),
+            None => self.pod(f.at.pid(), &crate::rules::comm(&f.comm)),
+        };
+        let key = anomalies::Key {
+            what: f.finding.what.kind(),
+            mode: f.mode.name(),
+            pod,
+        };
+        if self.anomalies.lock().unwrap_or_else(PoisonError::into_inner).count(key) {
+            self.counters.anomaly_keys_evicted.fetch_add(1, Ordering::Relaxed);
+        }
+        let Some(p) = pos else {
+            self.counters.anomalies_unattached.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        // Findings come in the order their spans were held: those held before this one will
+        // get no more (theirs found the queue full, counted in `anomalies_dropped`).
+        for h in self.held.drain(..p) {
+            self.batch.push(h.span);
+        }
+        let event = anomalies::span_event(&f.finding, f.mode, self.clock.wall(f.ts_ns));
+        if let Some(h) = self.held.front_mut() {
+            h.span.events.events.push(event);
+        }
+        if f.last
+            && let Some(h) = self.held.pop_front()
+        {
+            self.batch.push(h.span);
         }
     }
 
@@ -298,7 +412,7 @@ impl Spans {
         let comm = ev.comm().to_string();
         match &ev.body {
             Body::Ioctl(io) => {
-                let Some((trace, _root)) = self.window(ev.pid, &comm, ev.ts_ns) else {
+                let Some((trace, _root)) = self.window(ev.pid, &comm, ev.ts_ns, false) else {
                     return;
                 };
                 let mut attrs = vec![
@@ -350,7 +464,7 @@ impl Spans {
             }
             Body::Launch(l) => {
                 let Some(api) = ev.api else { return };
-                let Some((trace, root)) = self.window(ev.pid, &comm, ev.ts_ns) else {
+                let Some((trace, root)) = self.window(ev.pid, &comm, ev.ts_ns, false) else {
                     return;
                 };
                 let mut attrs = vec![
@@ -390,7 +504,7 @@ impl Spans {
                     self.drop_ioctls(ev.tid, ev.ts_ns, end);
                     return;
                 }
-                let Some((trace, root)) = self.window(ev.pid, &comm, ev.ts_ns) else {
+                let Some((trace, root)) = self.window(ev.pid, &comm, ev.ts_ns, c.anomalous) else {
                     self.drop_ioctls(ev.tid, ev.ts_ns, end);
                     return;
                 };
@@ -428,7 +542,11 @@ impl Spans {
                 if c.result != 0 {
                     span.status = Status::error(format!("CUresult {}", c.result));
                 }
-                self.batch.push(span);
+                if c.anomalous {
+                    self.hold(SpanKey::of_event(&ev), &comm, span);
+                } else {
+                    self.batch.push(span);
+                }
                 // Its ioctls: the ones of this thread inside [entry, return].
                 if let Some(mut q) = self.ioctls.remove(&ev.tid) {
                     self.ioctls_pending -= q.len();
@@ -498,7 +616,7 @@ impl Spans {
             self.counters.spans_sampled_out.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        let Some((trace, root)) = self.window(a.pid, &comm, a.rec.start_ns) else {
+        let Some((trace, root)) = self.window(a.pid, &comm, a.rec.start_ns, a.anomalous) else {
             return;
         };
         let mut attrs: Vec<KeyValue> = attributes::span_attributes(a, self.cfg.threshold_ns / 1000, is_slow)
@@ -523,7 +641,11 @@ impl Spans {
         let id = self.new_span_id();
         self.extend_window(a.pid, a.rec.end_ns);
         let span = self.span(trace, id, root, name, (a.rec.start_ns, a.rec.end_ns), attrs);
-        self.batch.push(span);
+        if a.anomalous {
+            self.hold(SpanKey::of_gpu(a), &comm, span);
+        } else {
+            self.batch.push(span);
+        }
     }
 
     /// The kernel GPU-time histogram: its label is the kernel's name while it is among the
@@ -571,7 +693,8 @@ mod tests {
 
     use super::*;
     use crate::{
-        decode::{Call, Ioctl},
+        analyze::anomaly::{Finding, Mode, What},
+        decode::{Call, Ioctl, KernelName},
         export::otlp::resource::ProcAttrs,
     };
 
@@ -593,7 +716,13 @@ mod tests {
             .meter("test")
             .f64_histogram("t")
             .build();
-        Spans::new(cfg, Arc::new(Counters::default()), h, ProcAttrs::new(false))
+        Spans::new(
+            cfg,
+            Arc::new(Counters::default()),
+            h,
+            ProcAttrs::new(false),
+            SharedTally::default(),
+        )
     }
 
     fn ev(ts_ns: u64, body: Body) -> Event {
@@ -662,6 +791,197 @@ mod tests {
         assert_eq!(sampled_out(&s), 2);
         assert_eq!(s.ioctls_pending, 0);
         assert!(s.batch.is_empty());
+    }
+
+    fn flagged_copy(ts_ns: u64, duration_ns: u64) -> Event {
+        let mut e = copy(ts_ns, duration_ns, false);
+        if let Body::Call(c) = &mut e.body {
+            c.anomalous = true;
+        }
+        e
+    }
+
+    fn finding(what: What, observed: f64) -> Finding {
+        Finding {
+            what,
+            observed,
+            typical: observed / 10.0,
+            deviation: 115.0,
+        }
+    }
+
+    fn call_what() -> What {
+        What::Call { api: COPY, size: 5 }
+    }
+
+    fn bandwidth_what() -> What {
+        What::Bandwidth {
+            direction: api::Direction::CpuToGpu,
+            size: 5,
+            on_gpu: false,
+        }
+    }
+
+    /// The finding the reader sends after the batch for the call `ev`.
+    fn flag(ev: &Event, what: What, last: bool) -> Flag {
+        let Body::Call(c) = &ev.body else { unreachable!() };
+        Flag {
+            at: SpanKey::of_event(ev),
+            comm: ev.comm,
+            ts_ns: ev.ts_ns,
+            finding: finding(what, c.duration_ns as f64),
+            mode: Mode::Robust,
+            last,
+        }
+    }
+
+    fn event_whats(span: &SpanData) -> Vec<String> {
+        span.events
+            .iter()
+            .map(|e| {
+                assert_eq!(e.name, "gpu.anomaly");
+                let kv = e
+                    .attributes
+                    .iter()
+                    .find(|kv| kv.key.as_str() == "gpu.anomaly.what")
+                    .unwrap();
+                kv.value.as_str().into_owned()
+            })
+            .collect()
+    }
+
+    fn tally(s: &Spans) -> Vec<(&'static str, &'static str, u64)> {
+        let mut v = Vec::new();
+        s.anomalies.lock().unwrap().each(|k, n| v.push((k.what, k.mode, n)));
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn a_flagged_calls_span_waits_for_its_last_finding_and_carries_each_as_an_event() {
+        let mut s = spans(0);
+        // Fast (sampled by duration) but flagged: kept, and held for its findings.
+        let ev = flagged_copy(5_000, 200);
+        s.event(ev.clone());
+        s.event(copy(9_000, 200_000, false));
+        assert_eq!((s.held.len(), s.batch.len()), (1, 1), "the other copy goes out at once");
+        s.anomaly(&flag(&ev, call_what(), false));
+        assert_eq!(s.held.len(), 1, "a bandwidth finding may follow");
+        s.anomaly(&flag(&ev, bandwidth_what(), true));
+        assert!(s.held.is_empty());
+        let span = s.batch.last().unwrap();
+        assert_eq!(span.name, COPY);
+        assert_eq!(event_whats(span), ["call", "bandwidth"]);
+        // At the call's start.
+        assert!(span.events.iter().all(|e| e.timestamp == s.clock.wall(5_000)));
+        assert_eq!(span.start_time, s.clock.wall(5_000));
+        assert_eq!(tally(&s), [("bandwidth", "robust", 1), ("call", "robust", 1)]);
+        let c = &s.counters;
+        assert_eq!(sampled_out(&s), 0);
+        assert_eq!(c.anomalies_unattached.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn a_flagged_gpu_record_gets_its_event_by_correlation_id_and_gpu_start() {
+        let mut s = spans(0);
+        let kernel = |corr: u32, start: u64, end: u64, anomalous: bool| GpuActivity {
+            pid: u32::MAX,
+            comm: *b"train\0\0\0\0\0\0\0\0\0\0\0",
+            rec: gpu_observer_common::cupti::GpuRecord {
+                kind: gpu_observer_common::cupti::GpuRecordKind::Kernel as u32,
+                correlation_id: corr,
+                start_ns: start,
+                end_ns: end,
+                ..Default::default()
+            },
+            origin: None,
+            kernel: Some(Arc::new(KernelName::new("steady_kernel"))),
+            occupancy: None,
+            sm_count: None,
+            anomalous,
+        };
+        // A graph launch: two kernels of one correlation id, the second flagged.
+        s.gpu(&kernel(42, 1_000, 3_000, false));
+        let slow = kernel(42, 4_000, 24_000, true);
+        s.gpu(&slow);
+        assert_eq!((s.held.len(), s.batch.len()), (1, 0), "the fast one is sampled out");
+        s.anomaly(&Flag {
+            at: SpanKey::of_gpu(&slow),
+            comm: slow.comm,
+            ts_ns: 4_000,
+            finding: finding(
+                What::Kernel {
+                    name: slow.kernel.clone().unwrap(),
+                    grid: [0; 3],
+                    block: [0; 3],
+                },
+                20_000.0,
+            ),
+            mode: Mode::Robust,
+            last: true,
+        });
+        assert_eq!(s.batch.len(), 1);
+        let span = &s.batch[0];
+        assert_eq!(span.name, "gpu_kernel steady_kernel");
+        assert_eq!(span.start_time, s.clock.wall(4_000));
+        assert_eq!(event_whats(span), ["kernel"]);
+        assert_eq!(span.events[0].timestamp, s.clock.wall(4_000));
+        assert_eq!(tally(&s), [("kernel", "robust", 1)]);
+    }
+
+    #[test]
+    fn a_flagged_call_over_the_span_rate_uses_the_anomaly_allowance_and_past_it_is_counted() {
+        // One span a second: the first copy takes it.
+        let mut s = spans(1);
+        s.event(copy(1_000, 200_000, false));
+        let first = flagged_copy(2_000, 200_000);
+        s.event(first.clone());
+        assert_eq!((s.batch.len(), s.held.len(), sampled_out(&s)), (1, 1, 0));
+        // The allowance (as many again) is spent too: the next flagged one is left out, counted,
+        // and so is an ordinary one.
+        let second = flagged_copy(3_000, 200_000);
+        s.event(second.clone());
+        s.event(copy(4_000, 200_000, false));
+        assert_eq!((s.batch.len(), s.held.len(), sampled_out(&s)), (1, 1, 2));
+        s.anomaly(&flag(&first, call_what(), true));
+        s.anomaly(&flag(&second, call_what(), true));
+        // Both counted; the second had no span to carry its event.
+        assert_eq!(tally(&s), [("call", "robust", 2)]);
+        assert_eq!(s.counters.anomalies_unattached.load(Ordering::Relaxed), 1);
+        assert_eq!(s.batch.len(), 2);
+        assert_eq!(event_whats(&s.batch[1]), ["call"]);
+        // The next second: both budgets are whole again.
+        let next = flagged_copy(1_000_002_000, 200_000);
+        s.event(copy(1_000_001_000, 200_000, false));
+        s.event(next);
+        assert_eq!((s.batch.len(), s.held.len(), sampled_out(&s)), (3, 1, 2));
+    }
+
+    #[test]
+    fn a_held_span_whose_findings_were_lost_goes_out_with_the_next_ones_or_after_the_hold() {
+        let mut s = spans(0);
+        let (a, b, c) = (
+            flagged_copy(1_000, 50),
+            flagged_copy(2_000, 50),
+            flagged_copy(3_000, 50),
+        );
+        for e in [&a, &b, &c] {
+            s.event(e.clone());
+        }
+        assert_eq!(s.held.len(), 3);
+        // a's finding found the queue full: b's comes, and a (before it) gets none now.
+        s.anomaly(&flag(&b, call_what(), true));
+        assert_eq!(s.held.len(), 1);
+        assert_eq!(s.batch.len(), 2);
+        assert!(s.batch[0].events.is_empty());
+        assert_eq!(event_whats(&s.batch[1]), ["call"]);
+        // c's finding never comes: c waits HOLD, then goes out as it is.
+        s.release_held(Some(Instant::now()));
+        assert_eq!(s.held.len(), 1);
+        s.release_held(Some(Instant::now() + HOLD));
+        assert!(s.held.is_empty());
+        assert_eq!(s.batch.len(), 3);
+        assert!(s.batch[2].events.is_empty());
     }
 
     #[test]
