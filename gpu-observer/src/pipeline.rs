@@ -151,32 +151,7 @@ impl Pipeline {
                 for a in &self.gpu {
                     s.gpu(a)?;
                 }
-                for (n, (src, finding)) in self.findings.iter().enumerate() {
-                    let (ts_ns, pid, tid, comm, flagged) = match *src {
-                        anomaly::Source::Event(i) => {
-                            let e = &self.batch[i];
-                            (e.ts_ns, e.pid, e.tid, &e.comm, crate::export::Flagged::Event(e))
-                        }
-                        anomaly::Source::Gpu(i) => {
-                            let a = &self.gpu[i];
-                            let tid = a.origin.as_ref().map_or(0, |o| o.tid);
-                            (a.rec.start_ns, a.pid, tid, &a.comm, crate::export::Flagged::Gpu(a))
-                        }
-                    };
-                    // The detector lists a call's findings together (its time, then its
-                    // bandwidth): the last is the one the next finding is not about.
-                    let last = self.findings.get(n + 1).is_none_or(|(next, _)| next != src);
-                    s.anomaly(&AnomalyLine {
-                        ts_ns,
-                        pid,
-                        tid,
-                        comm,
-                        finding,
-                        mode,
-                        flagged,
-                        last,
-                    })?;
-                }
+                write_findings(&mut **s, &self.batch, &self.gpu, &self.findings, mode)?;
                 // A process that exited: what it never freed.
                 for pid in &self.exited {
                     if let Some(p) = self.corr.procs.get(pid) {
@@ -210,9 +185,12 @@ impl Pipeline {
             // (all of them at the end).
             self.corr.expire_gpu(if stopping { u64::MAX } else { now_ns });
             std::mem::swap(&mut self.gpu, &mut self.corr.gpu_out);
+            // Judged like the joined ones: an unjoined kernel is no less slow.
+            self.detector.batch(&mut [], &mut self.gpu, &mut self.findings);
             self.memory(now_ns, false)?;
             self.last_memory = now_ns;
             self.gpu.clear();
+            self.findings.clear();
         }
         self.nvml_lines()?;
         if stopping || now_ns.saturating_sub(self.last_flush) >= FLUSH_INTERVAL_NS {
@@ -241,11 +219,13 @@ impl Pipeline {
         } else {
             Vec::new()
         };
+        let mode = self.detector.config().mode;
         for s in &mut self.sinks {
             (|| -> Result<()> {
                 for a in &self.gpu {
                     s.gpu(a)?;
                 }
+                write_findings(&mut **s, &[], &self.gpu, &self.findings, mode)?;
                 for m in &samples {
                     let comm = self.corr.procs.get(&m.pid).map_or("", |p| p.comm.as_str());
                     s.memory(now_ns, m, comm)?;
@@ -334,6 +314,44 @@ impl Pipeline {
     pub fn wants_nvml(sinks: &[Box<dyn Sink>]) -> bool {
         sinks.iter().any(|s| s.wants_nvml())
     }
+}
+
+/// Hands a sink the anomaly lines of `findings` (about `batch`'s events and `gpu`'s records),
+/// after it had the events and records themselves.
+fn write_findings(
+    s: &mut dyn Sink,
+    batch: &[Event],
+    gpu: &[GpuActivity],
+    findings: &[(anomaly::Source, Finding)],
+    mode: anomaly::Mode,
+) -> Result<()> {
+    for (n, (src, finding)) in findings.iter().enumerate() {
+        let (ts_ns, pid, tid, comm, flagged) = match *src {
+            anomaly::Source::Event(i) => {
+                let e = &batch[i];
+                (e.ts_ns, e.pid, e.tid, &e.comm, crate::export::Flagged::Event(e))
+            }
+            anomaly::Source::Gpu(i) => {
+                let a = &gpu[i];
+                let tid = a.origin.as_ref().map_or(0, |o| o.tid);
+                (a.rec.start_ns, a.pid, tid, &a.comm, crate::export::Flagged::Gpu(a))
+            }
+        };
+        // The detector lists a call's findings together (its time, then its bandwidth): the
+        // last is the one the next finding is not about.
+        let last = findings.get(n + 1).is_none_or(|(next, _)| next != src);
+        s.anomaly(&AnomalyLine {
+            ts_ns,
+            pid,
+            tid,
+            comm,
+            finding,
+            mode,
+            flagged,
+            last,
+        })?;
+    }
+    Ok(())
 }
 
 /// A recording of raw ring-buffer records (`--record-ring`): [`RECORDING_MAGIC`], then per

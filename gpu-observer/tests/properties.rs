@@ -998,3 +998,46 @@ proptest! {
         check_invariants(&bytes, &snap, &seen)?;
     }
 }
+
+#[test]
+fn kernels_that_go_out_unjoined_on_the_timer_are_judged_too() {
+    // CUPTI kernel records whose launches the probes never saw (a process attached late):
+    // they wait for their API records, then the timer sends them out unjoined. 40 of 1 µs and
+    // one of 100 µs, all of one name and shape: the slow one is an anomaly all the same.
+    let hdr = Hdr {
+        api: 0,
+        pid: 1,
+        tid: 1,
+        ts_ns: 0,
+        comm: *b"cupti\0\0\0\0\0\0\0\0\0\0\0",
+    };
+    let mut records = vec![
+        Rec::GpuName {
+            hdr,
+            key: 1,
+            name: b"_Z6steadyv".to_vec(),
+        }
+        .encode(),
+    ];
+    for i in 0..40u64 {
+        records.push(gpu(
+            1,
+            i,
+            kernel(i as u32 + 1, 10_000 * i, 10_000 * i + 1_000, [32, 1, 1], 16),
+        ));
+    }
+    records.push(gpu(1, 40, kernel(41, 500_000, 600_000, [32, 1, 1], 16)));
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let corr = Correlator::new(100_000).with_memory_limit_mb(LIMIT_MB, 4096);
+    let hub = nvml::Hub::new(nvml::State::Off, Duration::from_millis(100), None);
+    let (publisher, _snapshots) = Publisher::new(hub.view());
+    let sinks: Vec<Box<dyn Sink>> = vec![Box::new(Flags(lines.clone()))];
+    let mut pipe = Pipeline::new(corr, sinks, hub, None, publisher, Default::default(), 0);
+    for r in &records {
+        pipe.record(r).unwrap();
+    }
+    pipe.end_batch().unwrap();
+    assert!(lines.lock().unwrap().is_empty(), "nothing judged before they go out");
+    pipe.tick(u64::MAX / 2, true).unwrap();
+    assert_eq!(*lines.lock().unwrap(), [("kernel", 500_000, true)]);
+}

@@ -59,11 +59,13 @@ fn one_planted_slow_kernel_among_a_steady_loop_is_flagged_and_written() {
     );
 }
 
-/// Without CUPTI, the calls' own times: a loop of 64 KiB synchronous copies (1 ms at 64 MB/s)
-/// and 1 ms synchronizes, then one pass where both take 50× longer. Exactly three findings:
-/// the copy's time, its bandwidth, and the synchronize — and every value counted as checked.
-/// (Real sleeps: the threshold is raised to 30 so that a scheduling hiccup of the test machine
-/// cannot pass for an anomaly; 50× is ~130 robust deviations even at a 3 % spread.)
+/// Without CUPTI, the calls' own times: a loop of 256 KiB synchronous copies (2 ms at
+/// 128 MB/s) and 2 ms synchronizes, then one pass where the copy takes 128× and the synchronize
+/// 125× longer. Exactly three findings: the copy's time, its bandwidth, and the synchronize —
+/// and every value counted as checked. (Real sleeps, on a busy 2-core CI machine: a 2 ms sleep
+/// has been seen waking 4 ms late. With the threshold at 100 robust deviations, a value must
+/// be ≥ e^(100 × 0.02) = 7.4× typical to flag, and ~125× is ≥ 100 deviations as long as the
+/// loop's spread (MAD × 1.4826) stays under 4.8 %.)
 #[test]
 fn a_slow_copy_and_a_slow_synchronize_among_steady_ones_are_flagged_by_their_calls() {
     let _g = serial();
@@ -73,23 +75,23 @@ fn a_slow_copy_and_a_slow_synchronize_among_steady_ones_are_flagged_by_their_cal
     let args = ["--libcuda", lib.to_str().unwrap(), "--no-nvml"];
     let agent = Agent::start(
         &dir,
-        &[&args[..], &["--anomaly-threshold", "30", "--anomaly-warmup", "16"]].concat(),
+        &[&args[..], &["--anomaly-threshold", "100", "--anomaly-warmup", "16"]].concat(),
     );
     let mut w = Workload::start();
     w.cmd(&format!("load {}", lib.display()));
     let pid = w.pid;
     w.cmd("init");
-    w.cmd("timing 1000 64");
+    w.cmd("timing 2000 128");
     let passes = |reply: String| -> u64 {
         assert!(reply.starts_with("ok loop "), "{reply}");
         reply.split_whitespace().nth(2).unwrap().parse().unwrap()
     };
-    let before = passes(w.cmd("loop 80 htod:65536 sync"));
-    assert!(before >= 30, "{before} passes: too few to warm up");
-    w.cmd("timing 50000 1");
-    assert_eq!(passes(w.cmd("loop 0 htod:65536 sync")), 1);
-    w.cmd("timing 1000 64");
-    let after = passes(w.cmd("loop 40 htod:65536 sync"));
+    let before = passes(w.cmd("loop 120 htod:262144 sync"));
+    assert!(before >= 20, "{before} passes: too few to warm up");
+    w.cmd("timing 250000 1");
+    assert_eq!(passes(w.cmd("loop 0 htod:262144 sync")), 1);
+    w.cmd("timing 2000 128");
+    let after = passes(w.cmd("loop 40 htod:262144 sync"));
     w.exit();
     let cap = agent.stop();
     let anomalies: Vec<&Value> = cap.of_type("anomaly").filter(|a| a["pid"] == pid).collect();
@@ -102,11 +104,11 @@ fn a_slow_copy_and_a_slow_synchronize_among_steady_ones_are_flagged_by_their_cal
         [
             (
                 "call".to_string(),
-                r#"{"api":"cuMemcpyHtoD_v2","size_class":17}"#.to_string()
+                r#"{"api":"cuMemcpyHtoD_v2","size_class":19}"#.to_string()
             ),
             (
                 "bandwidth".to_string(),
-                r#"{"direction":"cpu_to_gpu","size_class":17,"measured":"call"}"#.to_string()
+                r#"{"direction":"cpu_to_gpu","size_class":19,"measured":"call"}"#.to_string()
             ),
             (
                 "call".to_string(),
@@ -115,14 +117,14 @@ fn a_slow_copy_and_a_slow_synchronize_among_steady_ones_are_flagged_by_their_cal
         ],
         "{anomalies:?}"
     );
-    // The planted copy slept 65 536 µs (1 MB/s), the synchronize 50 ms; typical: ~1 ms each.
+    // The planted copy slept 262 ms (1 MB/s), the synchronize 250 ms; typical: ~2 ms each.
     let (copy, bw, sync) = (anomalies[0], anomalies[1], anomalies[2]);
-    assert!(copy["observed"].as_f64().unwrap() >= 65_536_000.0, "{copy}");
+    assert!(copy["observed"].as_f64().unwrap() >= 262_144_000.0, "{copy}");
     assert!(copy["typical"].as_f64().unwrap() < 5_000_000.0, "{copy}");
     assert_eq!(bw["unit"], "B/s");
     assert!(bw["observed"].as_f64().unwrap() <= 1.0e6, "{bw}");
     assert!(bw["typical"].as_f64().unwrap() > 10.0e6, "{bw}");
-    assert!(sync["observed"].as_f64().unwrap() >= 50_000_000.0, "{sync}");
+    assert!(sync["observed"].as_f64().unwrap() >= 250_000_000.0, "{sync}");
     // The flagged calls are written (they are over 100 µs anyway) and marked.
     let total = cap.total();
     assert_eq!(total["anomalies"]["flagged"], 3, "{}", total["anomalies"]);
