@@ -728,6 +728,55 @@ mod tests {
     }
 
     #[test]
+    fn an_anomaly_line_carries_a_hostile_kernel_name_escaped_and_whole() {
+        use crate::analyze::anomaly::{Finding, Mode, What};
+        // Quotes, a backslash, a newline, a terminal escape and 4 KiB: the line stays one line
+        // of JSON with no raw control byte, and the name comes back exactly.
+        let name = format!("k\"\\\n\x1b[31mred\x07{}", "x".repeat(4096));
+        let finding = Finding {
+            what: What::Kernel {
+                name: std::sync::Arc::new(crate::decode::KernelName::new(&name)),
+                grid: [2, 1, 1],
+                block: [128, 1, 1],
+            },
+            observed: 20_000.0,
+            typical: 2_000.0,
+            deviation: 115.13,
+        };
+        let spec = api::by_id(api::id_of("cuLaunchKernel").unwrap()).unwrap();
+        let ev = Event {
+            ts_ns: 5,
+            pid: 10,
+            tid: 11,
+            comm: *b"train\0\0\0\0\0\0\0\0\0\0\0",
+            api: Some(spec),
+            body: Body::Call(Call::returned(spec, 1)),
+        };
+        let mut w = JsonlWriter::new(Vec::new(), 100_000, false);
+        w.anomaly(&crate::export::AnomalyLine {
+            ts_ns: 5,
+            pid: 10,
+            tid: 11,
+            comm: &ev.comm,
+            finding: &finding,
+            mode: Mode::Robust,
+            flagged: crate::export::Flagged::Event(&ev),
+            last: true,
+        })
+        .unwrap();
+        let out = String::from_utf8(w.out).unwrap();
+        assert_eq!(out.matches('\n').count(), 1, "one line");
+        assert!(!out.bytes().any(|b| b < 0x20 && b != b'\n'), "no raw control byte");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["type"], "anomaly");
+        assert_eq!(v["key"].as_str(), Some(name.as_str()));
+        assert_eq!(v["grid"], serde_json::json!([2, 1, 1]));
+        assert_eq!(v["block"], serde_json::json!([128, 1, 1]));
+        assert_eq!((v["observed"].as_f64(), v["typical"].as_f64()), (Some(20_000.0), Some(2_000.0)));
+        assert_eq!(v["deviation"].as_f64(), Some(115.13));
+    }
+
+    #[test]
     fn a_copy_of_exactly_the_threshold_is_written_and_slow() {
         let at = copy_line(100_000, 100_000, false).expect("kept");
         assert_eq!(at["is_slow"], true);
