@@ -8,6 +8,9 @@
 #   planted       one launch in 1 000 spinning 10× longer (a kernel finding every time); one
 #                 copy in 1 000 from pageable memory among pinned ones, under `run` and under an
 #                 all-process observer without CUPTI (the call's own time then)
+#   OTLP          planted 50 µs kernels among 5 µs ones with duration sampling on, exported to
+#                 otlp-sink: every anomaly line is a gpu.anomaly span event, the gpu.anomalies
+#                 counter adds up, the planted kernels are written and exported
 # gpucheck.compare_anomalies judges each run; ANOMALIES.md holds the table.
 #
 # usage (root, repo root): OBSERVER=.gpu-bundle/gpu-observer gpu/validate_anomalies.sh [OUTDIR]
@@ -17,6 +20,7 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 OUTDIR=${1:-${OUT:-/tmp/gpu-anomalies}}
 OBS=${OBSERVER:-.gpu-bundle/gpu-observer}
 REPLAY=${REPLAY:-$(dirname "$OBS")/anomaly-replay}
+SINK=${SINK:-$(dirname "$OBS")/otlp-sink}
 PY=${PYTHON:-python3}
 W=$(mktemp -d /tmp/gpu-anomalies.XXXXXX)
 mkdir -p "$OUTDIR"
@@ -66,6 +70,25 @@ observed() { # NAME EXPECT-KIND CMD...: an all-process observer without CUPTI
     judge "$name" "$kind"
 }
 
+# OTLP, with duration sampling on (no --trace-all): 5 µs spin kernels, every 1 000th 50 µs —
+# under the 100 µs threshold, written and exported only because it is anomalous.
+otlp_run() { # NAME
+    local name=$1 port=${PORT:-4317} rc=0
+    "$SINK" grpc "$port" 200 "$W/$name.sink.json" 2>"$W/$name.sink.err" &
+    local sp=$!
+    sleep 0.5
+    timeout --kill-after=10 180 "$OBS" --format jsonl --output "$W/$name.jsonl" \
+        --otlp-endpoint "http://127.0.0.1:$port" --otlp-interval-ms 1000 \
+        run -- "$PY" "$A" --kind spin --spin-us 5 --iterations 10000 --plant-every 1000 --out "$W/$name.json" \
+        >"$W/$name.out" 2>"$W/$name.err" || rc=$?
+    kill -TERM "$sp" 2>/dev/null
+    wait "$sp"
+    note "== $name (gpu-observer run, CUPTI, sampled, OTLP to otlp-sink): rc=$rc — $(tail -n 1 "$W/$name.out")"
+    "$PY" -m gpucheck.compare_anomalies --name "$name" --events "$W/$name.jsonl" --workload "$W/$name.json" \
+        --expect-kind kernel --otlp "$W/$name.sink.json" --row-out "$W/$name.row.json" 2>&1 | tee -a "$REPORT"
+    ((PIPESTATUS[0] == 0)) || fail=1
+}
+
 want() { [[ -z ${KINDS:-} || " $KINDS " == *" $1 "* ]]; }
 note "# Anomaly detection on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) ($(cat "$(dirname "$OBS")/COMMIT" 2>/dev/null || echo '?'))"
 want train && under_run train - "$PY" "$B" --kind train --seconds 8
@@ -77,6 +100,7 @@ want cupy && under_run cupy - "$PY" "$A" --kind cupy --iterations 8000
 want copy && under_run copy - "$PY" "$A" --kind copy --iterations 15000
 want spin_plant && under_run spin_plant kernel "$PY" "$A" --kind spin --iterations 20000 --plant-every 1000
 want copy_plant && under_run copy_plant copy "$PY" "$A" --kind copy --iterations 15000 --plant-every 1000
+want otlp_spin && otlp_run otlp_spin
 want copy_plant_observed && observed copy_plant_observed copy "$PY" "$A" --kind copy --iterations 15000 --plant-every 1000
 
 # The table (docs/VALIDATION.md, "Anomalies").

@@ -76,6 +76,20 @@ fn main() {
             json!({"name": s.name, "start": s.start_time_unix_nano, "end": s.end_time_unix_nano, "attributes": a})
         })
         .collect();
+    // Every gpu.anomaly span event (issue 14), with the span it is on.
+    let anomaly_events: Vec<Value> = spans
+        .iter()
+        .flat_map(|(_, s)| s.events.iter().map(move |e| (s, e)))
+        .filter(|(_, e)| e.name == "gpu.anomaly")
+        .map(|(s, e)| {
+            let a: BTreeMap<String, String> = e
+                .attributes
+                .iter()
+                .map(|kv| (kv.key.clone(), attr(&e.attributes, &kv.key).unwrap_or_default()))
+                .collect();
+            json!({"span": s.name, "span_start": s.start_time_unix_nano, "time": e.time_unix_nano, "attributes": a})
+        })
+        .collect();
     let mut metrics = BTreeMap::new();
     let reqs = rx.got.metrics.lock().unwrap().len();
     for name in [
@@ -88,6 +102,7 @@ fn main() {
         "hw.power",
         "gpu_observer.events",
         "gpu_observer.dropped",
+        "gpu.anomalies",
     ] {
         if let Some((_, m)) = rx.metric(name) {
             let attrs = |a: &[opentelemetry_proto::tonic::common::v1::KeyValue]| -> BTreeMap<String, String> {
@@ -116,6 +131,7 @@ fn main() {
         "resource": resource,
         "sample_spans": sample,
         "metrics": metrics,
+        "anomaly_events": anomaly_events,
     });
     std::fs::write(&args[4], serde_json::to_string_pretty(&out).unwrap()).expect("write the result");
     eprintln!(
