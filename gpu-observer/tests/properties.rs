@@ -783,6 +783,22 @@ impl Sink for Flags {
     }
 }
 
+/// A pipeline with only the [`Flags`] sink, fed `records` and one end of batch; the lines it
+/// will have.
+fn flagging(records: &[Vec<u8>]) -> (Pipeline, Arc<Mutex<Vec<FlagLine>>>) {
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let corr = Correlator::new(100_000).with_memory_limit_mb(LIMIT_MB, 4096);
+    let hub = nvml::Hub::new(nvml::State::Off, Duration::from_millis(100), None);
+    let (publisher, _snapshots) = Publisher::new(hub.view());
+    let sinks: Vec<Box<dyn Sink>> = vec![Box::new(Flags(lines.clone()))];
+    let mut pipe = Pipeline::new(corr, sinks, hub, None, publisher, Default::default(), 0);
+    for r in records {
+        pipe.record(r).unwrap();
+    }
+    pipe.end_batch().unwrap();
+    (pipe, lines)
+}
+
 #[test]
 fn anomaly_lines_point_at_the_flagged_call_and_mark_its_last_finding() {
     let timed = |name: &str, ts_ns: u64, args: [u64; 6], duration_ns: u64| {
@@ -824,16 +840,7 @@ fn anomaly_lines_point_at_the_flagged_call_and_mark_its_last_finding() {
     }
     records.push(copy(1_000, 100_000));
     records.push(sync(2_000, 100_000));
-    let lines = Arc::new(Mutex::new(Vec::new()));
-    let corr = Correlator::new(100_000).with_memory_limit_mb(LIMIT_MB, 4096);
-    let hub = nvml::Hub::new(nvml::State::Off, Duration::from_millis(100), None);
-    let (publisher, _snapshots) = Publisher::new(hub.view());
-    let sinks: Vec<Box<dyn Sink>> = vec![Box::new(Flags(lines.clone()))];
-    let mut pipe = Pipeline::new(corr, sinks, hub, None, publisher, Default::default(), 0);
-    for r in &records {
-        pipe.record(r).unwrap();
-    }
-    pipe.end_batch().unwrap();
+    let (_pipe, lines) = flagging(&records);
     assert_eq!(
         *lines.lock().unwrap(),
         [
@@ -1027,16 +1034,7 @@ fn kernels_that_go_out_unjoined_on_the_timer_are_judged_too() {
         ));
     }
     records.push(gpu(1, 40, kernel(41, 500_000, 600_000, [32, 1, 1], 16)));
-    let lines = Arc::new(Mutex::new(Vec::new()));
-    let corr = Correlator::new(100_000).with_memory_limit_mb(LIMIT_MB, 4096);
-    let hub = nvml::Hub::new(nvml::State::Off, Duration::from_millis(100), None);
-    let (publisher, _snapshots) = Publisher::new(hub.view());
-    let sinks: Vec<Box<dyn Sink>> = vec![Box::new(Flags(lines.clone()))];
-    let mut pipe = Pipeline::new(corr, sinks, hub, None, publisher, Default::default(), 0);
-    for r in &records {
-        pipe.record(r).unwrap();
-    }
-    pipe.end_batch().unwrap();
+    let (mut pipe, lines) = flagging(&records);
     assert!(lines.lock().unwrap().is_empty(), "nothing judged before they go out");
     pipe.tick(u64::MAX / 2, true).unwrap();
     assert_eq!(*lines.lock().unwrap(), [("kernel", 500_000, true)]);

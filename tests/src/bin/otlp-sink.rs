@@ -18,6 +18,13 @@ extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::SeqCst);
 }
 
+/// Attributes as strings, by key.
+fn attr_map(a: &[opentelemetry_proto::tonic::common::v1::KeyValue]) -> BTreeMap<String, String> {
+    a.iter()
+        .map(|kv| (kv.key.clone(), attr(a, &kv.key).unwrap_or_default()))
+        .collect()
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.len() != 5 {
@@ -55,24 +62,13 @@ fn main() {
         *by_name.entry(name).or_default() += 1;
         traces.insert(s.trace_id.clone());
     }
-    let resource: BTreeMap<String, String> = spans
-        .first()
-        .map(|(r, _)| {
-            r.iter()
-                .map(|kv| (kv.key.clone(), attr(r, &kv.key).unwrap_or_default()))
-                .collect()
-        })
-        .unwrap_or_default();
+    let resource = spans.first().map(|(r, _)| attr_map(r)).unwrap_or_default();
     let sample: Vec<Value> = spans
         .iter()
         .filter(|(_, s)| s.name.starts_with("gpu_kernel") || s.name.starts_with("cuLaunch"))
         .take(5)
         .map(|(_, s)| {
-            let a: BTreeMap<String, String> = s
-                .attributes
-                .iter()
-                .map(|kv| (kv.key.clone(), attr(&s.attributes, &kv.key).unwrap_or_default()))
-                .collect();
+            let a = attr_map(&s.attributes);
             json!({"name": s.name, "start": s.start_time_unix_nano, "end": s.end_time_unix_nano, "attributes": a})
         })
         .collect();
@@ -82,11 +78,7 @@ fn main() {
         .flat_map(|(_, s)| s.events.iter().map(move |e| (s, e)))
         .filter(|(_, e)| e.name == "gpu.anomaly")
         .map(|(s, e)| {
-            let a: BTreeMap<String, String> = e
-                .attributes
-                .iter()
-                .map(|kv| (kv.key.clone(), attr(&e.attributes, &kv.key).unwrap_or_default()))
-                .collect();
+            let a = attr_map(&e.attributes);
             json!({"span": s.name, "span_start": s.start_time_unix_nano, "time": e.time_unix_nano, "attributes": a})
         })
         .collect();
@@ -105,11 +97,7 @@ fn main() {
         "gpu.anomalies",
     ] {
         if let Some((_, m)) = rx.metric(name) {
-            let attrs = |a: &[opentelemetry_proto::tonic::common::v1::KeyValue]| -> BTreeMap<String, String> {
-                a.iter()
-                    .map(|kv| (kv.key.clone(), attr(a, &kv.key).unwrap_or_default()))
-                    .collect()
-            };
+            let attrs = attr_map;
             let mut p: Vec<Value> = points(&m)
                 .into_iter()
                 .map(|(a, v)| json!({"attributes": attrs(&a), "value": v}))

@@ -772,7 +772,10 @@ mod tests {
         assert_eq!(v["key"].as_str(), Some(name.as_str()));
         assert_eq!(v["grid"], serde_json::json!([2, 1, 1]));
         assert_eq!(v["block"], serde_json::json!([128, 1, 1]));
-        assert_eq!((v["observed"].as_f64(), v["typical"].as_f64()), (Some(20_000.0), Some(2_000.0)));
+        assert_eq!(
+            (v["observed"].as_f64(), v["typical"].as_f64()),
+            (Some(20_000.0), Some(2_000.0))
+        );
         assert_eq!(v["deviation"].as_f64(), Some(115.13));
     }
 
