@@ -112,7 +112,7 @@ print("\n| run | values checked | robust: flagged | robust: false positives | pl
 print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
 for r in rows:
     pl = f"{r['planted_flagged']}/{r['planted']}" if r["planted"] else "-"
-    spl = f"{r.get('sigma_planted_flagged')}/{r['planted']}" if r["planted"] else "-"
+    spl = f"{r['sigma_planted_flagged']}/{r['planted']}" if r["planted"] and "sigma_planted_flagged" in r else "-"
     print(f"| {r['name']} | {r['checked']} | {r['flagged_lines']} | {r['false_positives']} ({pct(r['fp_rate'])}) | {pl} "
           f"| {r.get('sigma_flagged', '-')} | {r.get('sigma_false_positives', '-')} ({pct(r.get('sigma_fp_rate'))}) | {spl} "
           f"| {'PASS' if r['pass'] else 'FAIL: ' + r['why']} |")
