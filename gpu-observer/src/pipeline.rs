@@ -138,6 +138,7 @@ impl Pipeline {
         std::mem::swap(&mut self.gpu, &mut corr.gpu_out);
         std::mem::swap(&mut self.changes, &mut corr.cupti_changes);
         self.detector.batch(&mut self.batch, &mut self.gpu, &mut self.findings);
+        note_findings(&mut self.publisher, &self.batch, &self.gpu, &self.findings);
         let mode = self.detector.config().mode;
         let now = if self.exited.is_empty() { 0 } else { monotonic_ns() };
         for s in &mut self.sinks {
@@ -187,6 +188,7 @@ impl Pipeline {
             std::mem::swap(&mut self.gpu, &mut self.corr.gpu_out);
             // Judged like the joined ones: an unjoined kernel is no less slow.
             self.detector.batch(&mut [], &mut self.gpu, &mut self.findings);
+            note_findings(&mut self.publisher, &[], &self.gpu, &self.findings);
             self.memory(now_ns, false)?;
             self.last_memory = now_ns;
             self.gpu.clear();
@@ -313,6 +315,23 @@ impl Pipeline {
     /// Which sinks want NVML samples (the sampler only queues them then).
     pub fn wants_nvml(sinks: &[Box<dyn Sink>]) -> bool {
         sinks.iter().any(|s| s.wants_nvml())
+    }
+}
+
+/// Hands the publisher each process's findings (about `batch`'s events and `gpu`'s records),
+/// for the views: the live table, the summary, the verdict's evidence.
+fn note_findings(
+    publisher: &mut Publisher,
+    batch: &[Event],
+    gpu: &[GpuActivity],
+    findings: &[(anomaly::Source, Finding)],
+) {
+    for (src, finding) in findings {
+        let (ts_ns, pid) = match *src {
+            anomaly::Source::Event(i) => (batch[i].ts_ns, batch[i].pid),
+            anomaly::Source::Gpu(i) => (gpu[i].rec.start_ns, gpu[i].pid),
+        };
+        publisher.note_anomaly(pid, ts_ns, finding);
     }
 }
 

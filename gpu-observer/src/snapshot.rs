@@ -15,6 +15,7 @@ use std::{
 use arc_swap::ArcSwap;
 
 use crate::{
+    analyze::{anomaly::Finding, findings::Findings},
     attach::Drops,
     correlate::{
         Budget, Correlator, Evicted, Leak, Process, Stats,
@@ -48,6 +49,8 @@ pub struct ProcessView {
     pub leaks: Vec<Leak>,
     /// What CUPTI said, once the injection library reported.
     pub gpu: Option<GpuView>,
+    /// What the anomaly detector flagged of it (none: nothing yet).
+    pub anomalies: Option<Arc<Findings>>,
 }
 
 impl ProcessView {
@@ -56,7 +59,12 @@ impl ProcessView {
         self.last_ts.saturating_sub(self.first_ts).max(1)
     }
 
-    fn of(p: &Process, top_kernels: Vec<(Arc<KernelName>, u64)>) -> Self {
+    /// How many anomalies were flagged in it so far.
+    pub fn anomaly_count(&self) -> u64 {
+        self.anomalies.as_ref().map_or(0, |a| a.count)
+    }
+
+    fn of(p: &Process, top_kernels: Vec<(Arc<KernelName>, u64)>, anomalies: Option<Arc<Findings>>) -> Self {
         Self {
             pid: p.pid,
             comm: p.comm.clone(),
@@ -70,6 +78,7 @@ impl ProcessView {
                 status: g.status,
                 stats: g.stats.clone(),
             }),
+            anomalies,
         }
     }
 }
@@ -159,6 +168,9 @@ pub struct Publisher {
     views: HashMap<u32, Arc<ProcessView>>,
     /// When each busy process's top kernels were last computed.
     top_at: HashMap<u32, Instant>,
+    /// What the anomaly detector flagged, per process: kept here, with the processes the
+    /// correlator keeps, because the detector forgets a process at its exit.
+    findings: HashMap<u32, Arc<Findings>>,
     seq: u64,
 }
 
@@ -170,10 +182,18 @@ impl Publisher {
                 current: current.clone(),
                 views: HashMap::new(),
                 top_at: HashMap::new(),
+                findings: HashMap::new(),
                 seq: 0,
             },
             Snapshots(current),
         )
+    }
+
+    /// A finding of the anomaly detector about `pid` (`ts_ns`: when the flagged call began),
+    /// for the next snapshots. Per finding, not per event (findings are rare); a snapshot that
+    /// holds the process's findings keeps its copy.
+    pub fn note_anomaly(&mut self, pid: u32, ts_ns: u64, finding: &Finding) {
+        Arc::make_mut(self.findings.entry(pid).or_default()).note(ts_ns, finding);
     }
 
     /// Builds a snapshot of `corr` (reusing the views of processes that did not change) and
@@ -193,8 +213,12 @@ impl Publisher {
         for p in corr.procs.values_mut() {
             let changed = p.take_changed();
             let prev = self.views.get(&p.pid);
+            let findings = self.findings.get(&p.pid);
+            // A finding comes with the call or GPU record that changed the process, but a view
+            // is never reused with an older count.
+            let same_findings = |v: &ProcessView| v.anomaly_count() == findings.map_or(0, |f| f.count);
             let view = match prev {
-                Some(v) if !changed && !last => v.clone(),
+                Some(v) if !changed && !last && same_findings(v) => v.clone(),
                 _ => {
                     let stale = prev.is_some_and(|_| {
                         p.kernel_count() > TOP_KERNELS_CHEAP
@@ -212,7 +236,7 @@ impl Publisher {
                             p.top_kernels(TOP_KERNELS)
                         }
                     };
-                    Arc::new(ProcessView::of(p, top))
+                    Arc::new(ProcessView::of(p, top, findings.cloned()))
                 }
             };
             procs.push(view);
@@ -220,6 +244,8 @@ impl Publisher {
         procs.sort_unstable_by_key(|p| p.pid);
         self.views = procs.iter().map(|p| (p.pid, p.clone())).collect();
         self.top_at.retain(|pid, _| corr.procs.contains_key(pid));
+        // Findings go with the process (the correlator bounds the exited ones it keeps).
+        self.findings.retain(|pid, _| corr.procs.contains_key(pid));
         let snap = Arc::new(Snapshot {
             seq: self.seq,
             taken_ns: now_ns,
@@ -238,5 +264,111 @@ impl Publisher {
         });
         self.current.store(snap.clone());
         snap
+    }
+}
+
+/// Snapshots of known processes, for the views' tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::{sync::Arc, time::Duration};
+
+    use gpu_observer_common::api;
+
+    use super::{Publisher, Snapshot};
+    use crate::{
+        analyze::anomaly::{Finding, What},
+        correlate::Correlator,
+        decode::{Body, Call, Event, KernelName},
+        nvml::{Hub, State},
+    };
+
+    /// A correlator that has seen one 100 µs `cuStreamSynchronize` of each of `pids`
+    /// (comm `train`), and a publisher with NVML off.
+    pub fn with_processes(pids: &[u32]) -> (Correlator, Publisher) {
+        let mut corr = Correlator::new(100_000);
+        for &pid in pids {
+            corr.observe(&mut sync(pid, 1_000));
+        }
+        let hub = Hub::new(State::Off, Duration::from_millis(100), None);
+        (corr, Publisher::new(hub.view()).0)
+    }
+
+    /// A returned `cuStreamSynchronize` of `pid` at `ts_ns`.
+    pub fn sync(pid: u32, ts_ns: u64) -> Event {
+        let spec = api::by_id(api::id_of("cuStreamSynchronize").unwrap()).unwrap();
+        Event {
+            ts_ns,
+            pid,
+            tid: pid,
+            comm: *b"train\0\0\0\0\0\0\0\0\0\0\0",
+            api: Some(spec),
+            body: Body::Call(Call::returned(spec, 100_000)),
+        }
+    }
+
+    /// A kernel finding: `observed` ns against `typical`, `deviation` deviations.
+    pub fn kernel_finding(name: &str, observed: f64, typical: f64, deviation: f64) -> Finding {
+        Finding {
+            what: What::Kernel {
+                name: Arc::new(KernelName::new(name)),
+                grid: [20, 1, 1],
+                block: [1, 1, 1],
+            },
+            observed,
+            typical,
+            deviation,
+        }
+    }
+
+    /// Publishes at `now_ns`.
+    pub fn publish(p: &mut Publisher, corr: &mut Correlator, now_ns: u64) -> Arc<Snapshot> {
+        let nvml = Hub::new(State::Off, Duration::from_millis(100), None).view();
+        p.publish(corr, nvml, Default::default(), Default::default(), now_ns, false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::*;
+
+    #[test]
+    fn findings_reach_the_view_of_their_process_and_go_with_it() {
+        let (mut corr, mut p) = with_processes(&[10, 20]);
+        p.note_anomaly(10, 500, &kernel_finding("gemm", 20_000.0, 2_000.0, 115.0));
+        // A process the correlator does not know (none of its events were seen): not kept.
+        p.note_anomaly(30, 600, &kernel_finding("gemm", 20_000.0, 2_000.0, 115.0));
+        let s1 = publish(&mut p, &mut corr, 1_000_000);
+        let v = s1.process(10).unwrap();
+        assert_eq!(v.anomaly_count(), 1);
+        let n = v.anomalies.as_ref().unwrap().latest().next().unwrap();
+        assert_eq!((n.seq, n.ts_ns, n.finding.observed), (1, 500, 20_000.0));
+        assert_eq!(s1.process(20).unwrap().anomaly_count(), 0);
+        assert!(s1.process(20).unwrap().anomalies.is_none());
+        assert!(!p.findings.contains_key(&30));
+        // A finding with no other change of the process still gives it a new view; the earlier
+        // snapshot keeps what it had.
+        p.note_anomaly(10, 700, &kernel_finding("gemm", 30_000.0, 2_000.0, 130.0));
+        let s2 = publish(&mut p, &mut corr, 2_000_000);
+        assert_eq!(s2.process(10).unwrap().anomaly_count(), 2);
+        assert_eq!(s1.process(10).unwrap().anomaly_count(), 1);
+        let worst = s2
+            .process(10)
+            .unwrap()
+            .anomalies
+            .as_ref()
+            .unwrap()
+            .worst_after(0)
+            .unwrap();
+        assert_eq!((worst.seq, worst.finding.deviation), (2, 130.0));
+        // Unchanged processes share their view with the last snapshot.
+        assert!(std::sync::Arc::ptr_eq(&s1.procs[1], &s2.procs[1]));
+        // An exited process keeps its findings for the summary (the detector forgets it).
+        let mut exit = sync(10, 3_000);
+        exit.body = crate::decode::Body::ProcessExit;
+        corr.observe(&mut exit);
+        let s3 = publish(&mut p, &mut corr, 3_000_000);
+        let v = s3.process(10).unwrap();
+        assert!(v.exited);
+        assert_eq!(v.anomaly_count(), 2);
     }
 }

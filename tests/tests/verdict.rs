@@ -607,3 +607,79 @@ fn nvml_busy_exactly_on_each_threshold() {
     require_root();
     nvml_busy_cases("verdict-on-bounds", &[(70, "gpu_bound"), (30, "mixed")]);
 }
+
+/// Issue 14: a verdict's evidence names the anomalies of its window. One planted 20 µs run
+/// among steady 2 µs kernels of the same name and shape (the fake CUPTI slowed 10× for one
+/// launch, as in tests/tests/anomaly.rs), then kernels that keep the GPU busy, so the class
+/// changes and a verdict line is written whose window holds the planted one (lines are
+/// written once a window, or when the class changes). A marker call is sampled first, so the
+/// first line's window ends before the loops and the whole run holds them all.
+#[test]
+fn a_verdict_counts_the_anomalies_of_its_window_and_names_the_most_severe() {
+    let _g = serial();
+    require_root();
+    let dir = scratch("verdict-anomaly");
+    let lib = fresh_lib(&dir, "libcuda.so.1");
+    let mut r = RunAgent::with_cupti(&dir, &lib, &[]);
+    let pid = r.pid;
+    // Before `init`: no CUPTI yet, no kernel record.
+    r.cmd("burst 1");
+    r.wait_line(is_verdict_of(pid), FIRST_VERDICT_WITHIN);
+    r.cmd("init");
+    let (before, _) = loop_done(&r.cmd("loop 300 launch:2:steady_kernel sleep:200"));
+    assert!(before >= 64, "{before} passes: too few to warm up");
+    r.cmd("cupti_slowdown 10");
+    loop_done(&r.cmd("loop 0 launch:2:steady_kernel"));
+    r.cmd("cupti_slowdown 1");
+    loop_done(&r.cmd("loop 3000 launch:30000:big_kernel sleep:30050"));
+    let cap = r.finish();
+    let anomalies: Vec<&Value> = cap.of_type("anomaly").filter(|a| a["pid"] == pid).collect();
+    assert_eq!(anomalies.len(), 1, "{anomalies:?}");
+    let planted = anomalies[0];
+    // What the evidence says of it: the anomaly line's own fields, and when it ran.
+    let worst = |v: &Value| {
+        let w = &v["evidence"]["worst_anomaly"];
+        for key in [
+            "what",
+            "key",
+            "grid",
+            "block",
+            "observed",
+            "typical",
+            "unit",
+            "deviation",
+        ] {
+            assert_eq!(w[key], planted[key], "{key}: {v}");
+        }
+        assert_eq!(w["ts_ns"], planted["ts_ns"], "{v}");
+    };
+    assert_eq!(planted["key"], "steady_kernel", "{planted}");
+    assert_eq!(planted["observed"].as_f64(), Some(20_000.0), "{planted}");
+    let lines = verdict_lines(&cap, pid);
+    // The first window ended before the loops.
+    assert_eq!(lines[0]["evidence"]["anomalies"], 0, "{}", lines[0]);
+    assert_eq!(lines[0]["evidence"]["worst_anomaly"], Value::Null, "{}", lines[0]);
+    // Every later window began at the first sample (less than 10 s was seen): once the
+    // planted kernel's record was in, each holds it — the line that turned gpu_bound too, and
+    // the last. The class is the kernels' (evidence only).
+    let mut seen = 0;
+    for l in &lines {
+        let n = l["evidence"]["anomalies"].as_u64().unwrap();
+        assert!(n == seen || (seen, n) == (0, 1), "{n} after {seen}: {l}");
+        match n {
+            0 => assert_eq!(l["evidence"]["worst_anomaly"], Value::Null, "{l}"),
+            _ => worst(l),
+        }
+        seen = n;
+    }
+    assert_eq!(seen, 1, "{lines:#?}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["class"] == "gpu_bound" && l["evidence"]["anomalies"] == 1),
+        "{lines:#?}"
+    );
+    let whole = assert_class(&cap, pid, "gpu_bound");
+    assert_eq!(whole["evidence"]["anomalies"], 1, "{whole}");
+    worst(whole);
+}

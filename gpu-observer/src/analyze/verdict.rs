@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use gpu_observer_common::api::Direction;
 
+use super::findings::Noted;
 use crate::correlate::Amount;
 
 /// A bottleneck class.
@@ -146,6 +147,11 @@ pub struct Evidence {
     /// The theoretical data rate, bytes/s each way, of the PCIe link of the process's GPU
     /// (NVML's maximum generation × width), when known.
     pub link_bytes_per_s: Option<f64>,
+    /// Anomalies the detector flagged in the window (analyze/anomaly.rs), and the most severe
+    /// of them (the largest deviation). Evidence only: no rule reads them, the class is the
+    /// same with or without.
+    pub anomalies: u64,
+    pub worst_anomaly: Option<Noted>,
 }
 
 impl Evidence {

@@ -9,6 +9,7 @@ use std::{
 };
 
 use super::{
+    findings::{Noted, worse},
     gpu_time::{GpuTime, Holder, Published},
     verdict::{BusySource, Class, Evidence, TopKernel, Verdict, classify},
 };
@@ -53,6 +54,8 @@ struct Sample {
     process_cpu_ns: u64,
     /// (tid, CPU ns) of the most launching threads.
     threads: Vec<(u32, u64)>,
+    /// Anomalies flagged so far.
+    anomalies: u64,
 }
 
 /// The kernels with the most GPU time between two samples. Exact for a kernel among `a`'s
@@ -163,6 +166,9 @@ fn between(a: &Sample, b: &Sample, first_read: &HashMap<u32, (u64, u64)>) -> Evi
         pinned_copies: b.pinned_copies.saturating_sub(a.pinned_copies),
         pageable_copies: b.pageable_copies.saturating_sub(a.pageable_copies),
         link_bytes_per_s: b.link_bytes_per_s,
+        anomalies: b.anomalies.saturating_sub(a.anomalies),
+        // The caller's: the samples keep counts, the snapshot the findings.
+        worst_anomaly: None,
     }
 }
 
@@ -183,6 +189,9 @@ struct Tracked {
     first_read: HashMap<u32, (u64, u64)>,
     /// The GPUs it was alone on at the last tick, and their utilization totals then.
     alone: Option<(Vec<u32>, f64, u64)>,
+    /// The most severe anomaly since the first sample (for the whole-run verdict), gathered
+    /// tick by tick: the snapshot answers exactly for a short stretch (analyze/findings.rs).
+    worst_anomaly: Option<Noted>,
 }
 
 /// Every observed process's samples, and the GPU time by class.
@@ -286,8 +295,16 @@ impl Tracker {
                         procinfo.thread_cpu_ns(p.pid, *t).or(before).map(|c| (*t, c))
                     })
                     .collect(),
+                anomalies: p.anomaly_count(),
             };
+            let findings = p.anomalies.as_deref();
+            // The most severe finding since the last sample (none before the first: the whole
+            // run starts at it).
+            let since_last = last.and_then(|s| findings?.worst_after(s.anomalies)).cloned();
             let t = self.procs.entry(p.pid).or_default();
+            if since_last.is_some() {
+                t.worst_anomaly = worse(t.worst_anomaly.as_ref(), since_last.as_ref()).cloned();
+            }
             // Device utilization while alone: what the GPUs sampled since the last tick, when
             // the process was alone on the same GPUs then and now.
             let now_alone = alone_on(snap, &listed, p.pid);
@@ -313,10 +330,12 @@ impl Tracker {
                 t.recent.pop_front();
             }
             if let Some(oldest) = t.recent.front() {
+                let mut e = between(oldest, &sample, &t.first_read);
+                e.worst_anomaly = findings.and_then(|f| f.worst_after(oldest.anomalies)).cloned();
                 out.push(ProcessVerdict {
                     pid: p.pid,
                     comm: p.comm.clone(),
-                    verdict: classify(between(oldest, &sample, &t.first_read)),
+                    verdict: classify(e),
                 });
             }
             t.recent.push_back(sample);
@@ -328,7 +347,11 @@ impl Tracker {
     pub fn whole_run(&self, pid: u32) -> Option<Verdict> {
         let t = self.procs.get(&pid)?;
         let (first, last) = (t.first.as_ref()?, t.recent.back()?);
-        (last.at_ns > first.at_ns).then(|| classify(between(first, last, &t.first_read)))
+        (last.at_ns > first.at_ns).then(|| {
+            let mut e = between(first, last, &t.first_read);
+            e.worst_anomaly = t.worst_anomaly.clone();
+            classify(e)
+        })
     }
 }
 
@@ -407,6 +430,7 @@ fn holders(snap: &Snapshot, verdicts: &[ProcessVerdict]) -> Vec<Holder> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{analyze::verdict::Verdict, correlate::Correlator, snapshot::Publisher};
 
     fn kernels(list: &[(&str, u64, u64)]) -> Sample {
         Sample {
@@ -450,6 +474,56 @@ mod tests {
             (&*top[1].name, top[1].count, top[1].gpu_ns, top[1].exact),
             ("k0", Some(1), 50, true)
         );
+    }
+
+    #[test]
+    fn a_window_counts_its_anomalies_and_names_the_most_severe_and_so_does_the_whole_run() {
+        use crate::snapshot::testing::*;
+        const S: u64 = 1_000_000_000;
+        let (mut corr, mut p) = with_processes(&[10]);
+        let mut t = Tracker::new(Default::default());
+        // No /proc: CPU times unknown (this test is about the anomalies).
+        let procinfo = ProcInfo::new("/nonexistent", "/nonexistent");
+        // A finding before the first sample (the first, seq 1): the whole run starts at that
+        // sample, without it.
+        p.note_anomaly(10, 10, &kernel_finding("early", 9e6, 1e3, 200.0));
+        let mut at = |p: &mut Publisher, corr: &mut Correlator, s: u64| {
+            corr.observe(&mut sync(10, s * S));
+            let snap = publish(p, corr, s * S);
+            let v = t.tick(&snap, &procinfo);
+            (v.first().map(|v| v.verdict.clone()), t.whole_run(10))
+        };
+        assert!(at(&mut p, &mut corr, 1).0.is_none(), "one sample: no window");
+        for (ts, dev) in [(1_100, 9.0), (1_200, 30.0), (1_300, 12.0)] {
+            p.note_anomaly(10, ts, &kernel_finding("gemm", 20_000.0, 2_000.0, dev));
+        }
+        let (window, whole) = at(&mut p, &mut corr, 2);
+        let summary = |v: &Verdict| {
+            let w = v.evidence.worst_anomaly.as_ref();
+            (v.evidence.anomalies, w.map(|n| (n.seq, n.ts_ns, n.finding.deviation)))
+        };
+        assert_eq!(summary(&window.unwrap()), (3, Some((3, 1_200, 30.0))));
+        assert_eq!(summary(&whole.unwrap()), (3, Some((3, 1_200, 30.0))));
+        p.note_anomaly(10, 2_500, &kernel_finding("gemm", 25_000.0, 2_000.0, 20.0));
+        let (window, whole) = at(&mut p, &mut corr, 3);
+        assert_eq!(summary(&window.unwrap()), (4, Some((3, 1_200, 30.0))));
+        assert_eq!(summary(&whole.unwrap()), (4, Some((3, 1_200, 30.0))));
+        // 10 s on, the window starts at the sample of second 3: only what came since.
+        p.note_anomaly(10, 9_000, &kernel_finding("gemm", 21_000.0, 2_000.0, 10.0));
+        p.note_anomaly(10, 9_100, &kernel_finding("gemm", 22_000.0, 2_000.0, 11.0));
+        let (window, whole) = at(&mut p, &mut corr, 13);
+        let window = window.unwrap();
+        assert_eq!(window.evidence.window_ns, 10 * S);
+        assert_eq!(summary(&window), (2, Some((7, 9_100, 11.0))));
+        assert_eq!(summary(&whole.unwrap()), (6, Some((3, 1_200, 30.0))));
+        // Anomalies are evidence only: the class is what it would be without them.
+        let mut without = window.evidence.clone();
+        without.anomalies = 0;
+        without.worst_anomaly = None;
+        assert_eq!(classify(without).class, window.class);
+        // A window without findings says none.
+        let (window, _) = at(&mut p, &mut corr, 23);
+        assert_eq!(summary(&window.unwrap()), (0, None));
     }
 
     #[test]

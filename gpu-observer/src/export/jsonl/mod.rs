@@ -11,7 +11,11 @@ use std::io::{self, Write};
 use gpu_observer_common::api::{Direction, Family};
 
 use crate::{
-    analyze::{verdict::Verdict, window::ProcessVerdict},
+    analyze::{
+        anomaly::{Finding, What},
+        verdict::Verdict,
+        window::ProcessVerdict,
+    },
     correlate::{CuptiChange, Leak, MemorySample, SyncTarget, cupti_join::GpuActivity},
     decode::{Body, Call, Event, HostMemory},
     export::{LeakReport, Sink, Summary},
@@ -123,8 +127,49 @@ fn verdict_fields<W: Write>(o: &mut W, v: &Verdict) -> io::Result<()> {
             k.exact
         )?;
     }
-    o.write_all(b"]}")?;
+    write!(o, "],\"anomalies\":{},\"worst_anomaly\":", e.anomalies)?;
+    match &e.worst_anomaly {
+        Some(n) => {
+            o.write_all(b"{")?;
+            finding_fields(o, &n.finding)?;
+            write!(o, ",\"ts_ns\":{}}}", n.ts_ns)?;
+        }
+        None => o.write_all(b"null")?,
+    }
+    o.write_all(b"}")?;
     opt_str(o, "hint", Some(v.class.hint()))
+}
+
+/// `"what":…,"key":…,"observed":…,"typical":…,"unit":…,"deviation":…` of a finding (the
+/// members of an object, without its braces; a kernel's also `grid` and `block`), as the
+/// `anomaly` line and the verdict's `worst_anomaly` write it.
+fn finding_fields<W: Write>(o: &mut W, f: &Finding) -> io::Result<()> {
+    write!(o, "\"what\":\"{}\",\"key\":", f.what.kind())?;
+    match &f.what {
+        What::Kernel { name, grid, block } => {
+            serde_json::to_writer(&mut *o, &*name.demangled).map_err(io::Error::other)?;
+            write!(o, ",\"grid\":{grid:?},\"block\":{block:?}")?;
+        }
+        What::Call { api, size } => write!(o, "{{\"api\":\"{api}\",\"size_class\":{size}}}")?,
+        What::Bandwidth {
+            direction,
+            size,
+            on_gpu,
+        } => write!(
+            o,
+            "{{\"direction\":\"{}\",\"size_class\":{size},\"measured\":\"{}\"}}",
+            direction.name(),
+            if *on_gpu { "gpu" } else { "call" }
+        )?,
+    }
+    write!(
+        o,
+        ",\"observed\":{},\"typical\":{},\"unit\":\"{}\",\"deviation\":{}",
+        Decimals(f.observed, 1),
+        Decimals(f.typical, 1),
+        f.what.unit(),
+        Decimals(f.deviation, 2),
+    )
 }
 
 /// A number with this many decimals, formatted as it is written (no string in between: the
@@ -369,37 +414,11 @@ impl<W: Write> JsonlWriter<W> {
 
     /// An `anomaly` line: what was slow, how slow, against what.
     pub fn anomaly(&mut self, a: &crate::export::sink::AnomalyLine<'_>) -> io::Result<()> {
-        use crate::analyze::anomaly::What;
-        let f = a.finding;
         let comm = crate::rules::comm(a.comm);
         self.head("anomaly", a.ts_ns, a.pid, a.tid, &comm)?;
-        write!(self.out, ",\"what\":\"{}\",\"key\":", f.what.kind())?;
-        match &f.what {
-            What::Kernel { name, grid, block } => {
-                serde_json::to_writer(&mut self.out, &*name.demangled).map_err(io::Error::other)?;
-                write!(self.out, ",\"grid\":{grid:?},\"block\":{block:?}")?;
-            }
-            What::Call { api, size } => write!(self.out, "{{\"api\":\"{api}\",\"size_class\":{size}}}")?,
-            What::Bandwidth {
-                direction,
-                size,
-                on_gpu,
-            } => write!(
-                self.out,
-                "{{\"direction\":\"{}\",\"size_class\":{size},\"measured\":\"{}\"}}",
-                direction.name(),
-                if *on_gpu { "gpu" } else { "call" }
-            )?,
-        }
-        writeln!(
-            self.out,
-            ",\"observed\":{},\"typical\":{},\"unit\":\"{}\",\"deviation\":{},\"mode\":\"{}\"}}",
-            Decimals(f.observed, 1),
-            Decimals(f.typical, 1),
-            f.what.unit(),
-            Decimals(f.deviation, 2),
-            a.mode.name()
-        )
+        self.out.write_all(b",")?;
+        finding_fields(&mut self.out, a.finding)?;
+        writeln!(self.out, ",\"mode\":\"{}\"}}", a.mode.name())
     }
 
     /// A `verdict` line: the class of a process's last window and the numbers behind it.
@@ -790,5 +809,110 @@ mod tests {
         );
         let below = copy_line(99_999, 100_000, true).expect("--trace-all keeps it");
         assert_eq!(below["is_slow"], false);
+    }
+
+    fn kernel_finding() -> crate::analyze::anomaly::Finding {
+        crate::analyze::anomaly::Finding {
+            what: What::Kernel {
+                name: std::sync::Arc::new(crate::decode::KernelName::new("gemm\u{1b}[2J")),
+                grid: [20, 1, 1],
+                block: [32, 1, 1],
+            },
+            observed: 20_000.0,
+            typical: 2_000.0,
+            deviation: 115.129_254_6,
+        }
+    }
+
+    #[test]
+    fn an_anomaly_line_says_what_against_what() {
+        let f = kernel_finding();
+        // The line is the finding's: what was flagged only matters to OTLP.
+        let spec = api::by_id(api::id_of("cuLaunchKernel").unwrap()).unwrap();
+        let ev = Event {
+            ts_ns: 5,
+            pid: 10,
+            tid: 11,
+            comm: *b"train\0\0\0\0\0\0\0\0\0\0\0",
+            api: Some(spec),
+            body: Body::Call(Call::returned(spec, 1_000)),
+        };
+        let mut w = JsonlWriter::new(Vec::new(), 100_000, false);
+        w.anomaly(&crate::export::AnomalyLine {
+            ts_ns: 5,
+            pid: 10,
+            tid: 11,
+            comm: &ev.comm,
+            finding: &f,
+            mode: crate::analyze::anomaly::Mode::Robust,
+            flagged: crate::export::Flagged::Event(&ev),
+            last: true,
+        })
+        .unwrap();
+        assert_eq!(
+            String::from_utf8(w.out).unwrap(),
+            concat!(
+                r#"{"type":"anomaly","ts_ns":5,"pid":10,"tid":11,"comm":"train","what":"kernel","#,
+                r#""key":"gemm\u001b[2J","grid":[20, 1, 1],"block":[32, 1, 1],"observed":20000.0,"#,
+                r#""typical":2000.0,"unit":"ns","deviation":115.13,"mode":"robust"}"#,
+                "\n"
+            )
+        );
+    }
+
+    #[test]
+    fn a_verdict_line_carries_the_windows_anomaly_count_and_its_most_severe() {
+        use crate::analyze::{findings::Noted, verdict::classify, window::ProcessVerdict};
+        let line = |anomalies, worst_anomaly| {
+            let mut w = JsonlWriter::new(Vec::new(), 100_000, false);
+            let verdict = classify(crate::analyze::verdict::Evidence {
+                window_ns: 1_000_000_000,
+                calls: 10,
+                anomalies,
+                worst_anomaly,
+                ..Default::default()
+            });
+            w.verdict(
+                7,
+                &ProcessVerdict {
+                    pid: 10,
+                    comm: "train".into(),
+                    verdict,
+                },
+            )
+            .unwrap();
+            let v: serde_json::Value = serde_json::from_slice(&w.out).unwrap();
+            v
+        };
+        let none = line(0, None);
+        assert_eq!(none["evidence"]["anomalies"], 0, "{none}");
+        assert_eq!(none["evidence"]["worst_anomaly"], serde_json::Value::Null, "{none}");
+        let some = line(
+            3,
+            Some(Noted {
+                seq: 2,
+                ts_ns: 1_234,
+                finding: kernel_finding(),
+            }),
+        );
+        assert_eq!(some["class"], "mixed", "{some}");
+        assert_eq!(some["evidence"]["anomalies"], 3, "{some}");
+        assert_eq!(
+            some["evidence"]["worst_anomaly"],
+            serde_json::json!({
+                "what": "kernel",
+                "key": "gemm\u{1b}[2J",
+                "grid": [20, 1, 1],
+                "block": [32, 1, 1],
+                "observed": 20000.0,
+                "typical": 2000.0,
+                "unit": "ns",
+                "deviation": 115.13,
+                "ts_ns": 1234
+            }),
+            "{some}"
+        );
+        // The hint comes after the evidence, as before.
+        assert_eq!(some["hint"], "no single bottleneck");
     }
 }
