@@ -4,6 +4,13 @@
 //! duration sampling leaves out every other one. Without CUPTI, a slow copy and synchronize
 //! among steady ones are flagged by their calls' own times.
 
+use std::{
+    io::Read,
+    process::{Command, Stdio},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
 use gpu_observer_tests::*;
 use serde_json::Value;
 
@@ -134,5 +141,115 @@ fn a_slow_copy_and_a_slow_synchronize_among_steady_ones_are_flagged_by_their_cal
         Some(3 * (before + 1 + after)),
         "{}",
         total["anomalies"]
+    );
+}
+
+/// The terminal: the live table marks the process (`!1` in its ANOM column) and shows the
+/// anomaly under the table, and the final summary counts it and names it — for a kernel whose
+/// name carries terminal control sequences, a bidi override and 600 more characters, which are
+/// shown escaped and cut to 80 characters (docs/SECURITY.md: names from observed processes
+/// never reach the terminal raw). The process is found by `--pid`, carrying the injection
+/// library in its environment; script(1) gives the observer a terminal.
+#[test]
+fn the_terminal_marks_the_process_and_shows_its_anomaly_with_a_hostile_name_escaped() {
+    let _g = serial();
+    require_root();
+    let dir = scratch("anomaly-terminal");
+    let lib = fresh_lib(&dir, "libcuda.so.1");
+    let injection = observer_bin().with_file_name("libgpu_observer_cupti.so");
+    let cupti = fixtures().join("libcupti.so.13");
+    let env = [
+        ("CUDA_INJECTION64_PATH", injection.to_str().unwrap()),
+        ("GPU_OBSERVER_CUPTI_PATH", cupti.to_str().unwrap()),
+        ("GPU_OBSERVER_CUPTI_FLUSH_MS", "50"),
+    ];
+    let mut w = Workload::start_with_env(&env);
+    w.cmd(&format!("load {}", lib.display()));
+    let pid = w.pid;
+    let cmdline = format!("{} --pid {pid} --no-nvml --interval-ms 100", observer_bin().display());
+    let mut live = Command::new("script")
+        .args(["-qfec", &cmdline, "/dev/null"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("script(1)");
+    let screen: Arc<Mutex<Vec<u8>>> = Arc::default();
+    let reader = {
+        let (screen, mut out) = (screen.clone(), live.stdout.take().unwrap());
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 65536];
+            while let Ok(n) = out.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                screen.lock().unwrap().extend_from_slice(&buf[..n]);
+            }
+        })
+    };
+    let shown = || String::from_utf8_lossy(&screen.lock().unwrap()).into_owned();
+    let wait_for = |needle: &str| {
+        let start = Instant::now();
+        while !shown().contains(needle) {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "no {needle:?} on the screen:\n{}",
+                shown()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    wait_for("attached");
+    w.cmd("init");
+    wait_for("CUPTI active");
+    let name = format!("\x1b]0;pwn\x07\x1b[31mEVIL\x1b[0m\u{202e}{}", "K".repeat(600));
+    let passes = |reply: String| -> u64 {
+        assert!(reply.starts_with("ok loop "), "{reply}");
+        reply.split_whitespace().nth(2).unwrap().parse().unwrap()
+    };
+    // Steady 2 µs kernels, one of the same name and shape 10× longer, steady again.
+    let before = passes(w.cmd(&format!("loop 300 launch:2:{name} sleep:200")));
+    assert!(before >= 64, "{before} passes: too few to warm up");
+    w.cmd("cupti_slowdown 10");
+    assert_eq!(passes(w.cmd(&format!("loop 0 launch:2:{name}"))), 1);
+    w.cmd("cupti_slowdown 1");
+    passes(w.cmd(&format!("loop 300 launch:2:{name} sleep:200")));
+    // Under the table while the process lives; then it exits, and the observer with it.
+    let line = format!("! pid {pid} kernel ");
+    wait_for(&line);
+    w.exit();
+    let status = live.wait().unwrap();
+    reader.join().unwrap();
+    assert!(status.success(), "{status}");
+    let screen = shown();
+
+    // Nothing raw: the view's own escapes (cursor home, clear) are the only ones.
+    let stripped = screen.replace("\x1b[H\x1b[2J", "");
+    let bad: Vec<char> = stripped
+        .chars()
+        .filter(|&c| (c.is_control() && c != '\n' && c != '\r' && c != '\t') || c == '\u{202e}')
+        .collect();
+    assert!(bad.is_empty(), "raw control characters {bad:?}:\n{screen}");
+    // The name escaped (41 characters shown), then its first Ks up to 80, then an ellipsis.
+    let escaped = format!(r"\x1b]0;pwn\x07\x1b[31mEVIL\x1b[0m\u{{202e}}{}…", "K".repeat(39));
+    let lines: Vec<&str> = stripped.lines().map(|l| l.trim_end_matches('\r')).collect();
+    let anomaly = format!("{line}\"{escaped}\" 20.0 µs, typically 2.00 µs (115 dev), ");
+    assert!(
+        lines.iter().any(|l| l.starts_with(&anomaly) && l.ends_with(" s ago")),
+        "no {anomaly:?}:\n{screen}"
+    );
+    let row = format!("{pid:>8} cuda_workload ");
+    assert!(
+        lines.iter().any(|l| l.starts_with(&row) && l.ends_with(" !1")),
+        "no row {row:?} marked !1:\n{screen}"
+    );
+    // The final summary, after the last frame.
+    let summary = &stripped[stripped.rfind("gpu-observer summary:").expect("a summary")..];
+    assert!(summary.contains("\n  anomalies              1"), "{summary}");
+    assert!(
+        summary.contains(&format!(
+            "\n    most severe kernel \"{escaped}\" 20.0 µs, typically 2.00 µs (115 dev)"
+        )),
+        "{summary}"
     );
 }

@@ -4,9 +4,14 @@ use std::{collections::HashMap, fmt::Write as _, sync::Arc};
 
 use gpu_observer_common::{api::Direction, cupti::CuptiState};
 
-use super::text::{Printable, printable};
+use super::text::{Printable, printable, printable_cut};
 use crate::{
-    analyze::{verdict::Verdict, window::ProcessVerdict},
+    analyze::{
+        anomaly::{Finding, Mode, What},
+        findings::Noted,
+        verdict::Verdict,
+        window::ProcessVerdict,
+    },
     attach::Drops,
     correlate::Stats,
     nvml::{ProcUse, State, View},
@@ -14,6 +19,10 @@ use crate::{
 };
 
 const MIB: f64 = 1024.0 * 1024.0;
+/// The latest anomalies shown under the live table (of every live process, newest first).
+const ANOMALIES_SHOWN: usize = 3;
+/// Characters of a kernel name shown in an anomaly line (names come from observed programs).
+const ANOMALY_NAME_CHARS: usize = 80;
 
 /// Keeps the previous counters so each refresh shows rates over the last interval.
 #[derive(Default)]
@@ -73,8 +82,16 @@ impl LiveView {
         devices_now(&mut out, gpus);
         let _ = writeln!(
             out,
-            "{:>8} {:<16} {:>10} {:>22} {:>22} {:>14} {:>10} {:>16}",
-            "PID", "COMM", "LAUNCH/s", "H→D (n, MB/s)", "D→H (n, MB/s)", "D→D/other n/s", "SYNC %", "IOCTL n/s, ms"
+            "{:>8} {:<16} {:>10} {:>22} {:>22} {:>14} {:>10} {:>16} {:>6}",
+            "PID",
+            "COMM",
+            "LAUNCH/s",
+            "H→D (n, MB/s)",
+            "D→H (n, MB/s)",
+            "D→D/other n/s",
+            "SYNC %",
+            "IOCTL n/s, ms",
+            "ANOM"
         );
         let mut next = HashMap::new();
         let mut next_gpu = HashMap::new();
@@ -97,7 +114,7 @@ impl LiveView {
             let sync_pct = (now.syncs.ns - before.syncs.ns) as f64 / (interval_s * 1e9) * 100.0;
             let _ = writeln!(
                 out,
-                "{:>8} {:<16} {:>10.0} {:>10.0} {:>11.1} {:>10.0} {:>11.1} {:>14.0} {:>9.1}% {:>8.0} {:>7.2}",
+                "{:>8} {:<16} {:>10.0} {:>10.0} {:>11.1} {:>10.0} {:>11.1} {:>14.0} {:>9.1}% {:>8.0} {:>7.2} {:>6}",
                 p.pid,
                 Printable(&p.comm),
                 rate(now.launches - before.launches),
@@ -108,7 +125,8 @@ impl LiveView {
                 rate(other),
                 sync_pct,
                 rate(now.ioctls.count - before.ioctls.count),
-                (now.ioctls.ns - before.ioctls.ns) as f64 / 1e6
+                (now.ioctls.ns - before.ioctls.ns) as f64 / 1e6,
+                anomaly_mark(p.anomaly_count())
             );
             next.insert(p.pid, p.clone());
             if let Some(v) = verdicts.get(&p.pid) {
@@ -137,6 +155,7 @@ impl LiveView {
         if snap.procs.is_empty() {
             out.push_str("(no CUDA activity yet)\n");
         }
+        latest_anomalies(&mut out, snap);
         self.prev = next;
         out
     }
@@ -149,6 +168,128 @@ fn shorten(s: &str, max: usize) -> String {
         printable(s)
     } else {
         format!("{}…", printable(&s.chars().take(max).collect::<String>()))
+    }
+}
+
+/// The anomalies column: `!N` once a process has any, so it stands out; `0` before.
+fn anomaly_mark(n: u64) -> String {
+    if n == 0 { "0".into() } else { format!("!{n}") }
+}
+
+/// The latest anomalies of the live processes, newest first, one line each.
+fn latest_anomalies(out: &mut String, snap: &Snapshot) {
+    let mode = snap.anomalies.0.mode;
+    let mut latest: Vec<(u32, &Noted)> = snap
+        .procs
+        .iter()
+        .filter(|p| !p.exited)
+        .filter_map(|p| Some((p.pid, p.anomalies.as_deref()?)))
+        .flat_map(|(pid, f)| f.latest().take(ANOMALIES_SHOWN).map(move |n| (pid, n)))
+        .collect();
+    latest.sort_by_key(|(pid, n)| (std::cmp::Reverse(n.ts_ns), *pid));
+    for (pid, n) in latest.into_iter().take(ANOMALIES_SHOWN) {
+        let _ = writeln!(
+            out,
+            "! pid {pid} {}, {:.1} s ago",
+            describe_finding(&n.finding, mode),
+            snap.taken_ns.saturating_sub(n.ts_ns) as f64 / 1e9
+        );
+    }
+}
+
+/// A finding for a person: what (a kernel's name escaped and cut), observed against typical
+/// in their unit, and how many deviations (robust) or σ (sigma) apart.
+fn describe_finding(f: &Finding, mode: Mode) -> String {
+    let what = match &f.what {
+        What::Kernel { name, .. } => format!("kernel \"{}\"", printable_cut(&name.demangled, ANOMALY_NAME_CHARS)),
+        What::Call { api, size } => format!("{api}{}", size_range(*size)),
+        What::Bandwidth {
+            direction,
+            size,
+            on_gpu,
+        } => format!(
+            "{} bandwidth{}{}",
+            arrow(*direction),
+            size_range(*size),
+            if *on_gpu { " on the GPU" } else { " in the call" }
+        ),
+    };
+    let value = |v: f64| match f.what {
+        What::Bandwidth { .. } => human_rate(v),
+        _ => human_ns(v),
+    };
+    let deviation = match mode {
+        Mode::Robust => format!("{} dev", three_digits(f.deviation)),
+        Mode::Sigma => format!("{}σ", three_digits(f.deviation)),
+    };
+    format!(
+        "{what} {}, typically {} ({deviation})",
+        value(f.observed),
+        value(f.typical)
+    )
+}
+
+/// A copy direction as the table heads it.
+fn arrow(d: Direction) -> &'static str {
+    match d {
+        Direction::CpuToGpu => "H→D",
+        Direction::GpuToCpu => "D→H",
+        Direction::GpuToGpu => "D→D",
+        Direction::Unknown | Direction::None => "other",
+    }
+}
+
+/// A size class (analyze/anomaly.rs `size_class`: 1 + ⌊log2 bytes⌋) as its byte range;
+/// nothing for an unsized call.
+fn size_range(class: u8) -> String {
+    let pow2 = |n: u32| match n {
+        0..10 => format!("{} B", 1u64 << n),
+        10..20 => format!("{} KiB", 1u64 << (n - 10)),
+        20..30 => format!("{} MiB", 1u64 << (n - 20)),
+        30..40 => format!("{} GiB", 1u64 << (n - 30)),
+        // Classes go up to 64 (2^64 bytes, past u64).
+        _ => format!("{} TiB", (1u128 << n.min(64)) >> 40),
+    };
+    match u32::from(class) {
+        0 => String::new(),
+        c => format!(" of {}–{}", pow2(c - 1), pow2(c)),
+    }
+}
+
+/// Three significant digits (two decimals under 10, one under 100, none above).
+fn three_digits(v: f64) -> String {
+    if v < 10.0 {
+        format!("{v:.2}")
+    } else if v < 100.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.0}")
+    }
+}
+
+/// A duration in ns, in the unit that keeps it readable.
+fn human_ns(ns: f64) -> String {
+    if ns < 1e3 {
+        format!("{ns:.0} ns")
+    } else if ns < 1e6 {
+        format!("{} µs", three_digits(ns / 1e3))
+    } else if ns < 1e9 {
+        format!("{} ms", three_digits(ns / 1e6))
+    } else {
+        format!("{} s", three_digits(ns / 1e9))
+    }
+}
+
+/// A rate in bytes/s, decimal units (as link rates are quoted).
+fn human_rate(bps: f64) -> String {
+    if bps >= 1e9 {
+        format!("{} GB/s", three_digits(bps / 1e9))
+    } else if bps >= 1e6 {
+        format!("{} MB/s", three_digits(bps / 1e6))
+    } else if bps >= 1e3 {
+        format!("{} kB/s", three_digits(bps / 1e3))
+    } else {
+        format!("{bps:.0} B/s")
     }
 }
 
@@ -473,6 +614,7 @@ pub fn final_summary(snap: &Snapshot, drops: &Drops, wall_ns: u64, verdicts: &Ha
         if s.failed_calls > 0 {
             let _ = writeln!(out, "  failed calls  {:>10}", s.failed_calls);
         }
+        anomaly_summary(&mut out, p, snap.anomalies.0.mode);
         if let Some(v) = verdicts.get(&p.pid) {
             let _ = writeln!(out, "  verdict       {}", printable(&v.describe()));
         }
@@ -504,6 +646,19 @@ pub fn final_summary(snap: &Snapshot, drops: &Drops, wall_ns: u64, verdicts: &Ha
         }
     }
     out
+}
+
+/// A process's anomalies over the run: how many, the most severe and the latest.
+fn anomaly_summary(out: &mut String, p: &ProcessView, mode: Mode) {
+    let _ = writeln!(out, "  anomalies     {:>10}", p.anomaly_count());
+    let Some(f) = p.anomalies.as_deref() else { return };
+    let worst = f.worst_after(0);
+    if let Some(w) = worst {
+        let _ = writeln!(out, "    most severe {}", describe_finding(&w.finding, mode));
+    }
+    if let Some(l) = f.latest().next().filter(|l| Some(l.seq) != worst.map(|w| w.seq)) {
+        let _ = writeln!(out, "    latest      {}", describe_finding(&l.finding, mode));
+    }
 }
 
 /// What CUPTI said about a process: GPU time, joins, queue delay, the kernels that took the GPU.
@@ -578,5 +733,147 @@ impl super::Sink for StderrNotices {
             CuptiState::message_of(c.status.state)
         ));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        analyze::anomaly::{Finding, What},
+        snapshot::testing::*,
+    };
+
+    const S: u64 = 1_000_000_000;
+
+    /// A name an observed program could give a kernel: a terminal title change, a screen clear,
+    /// a forged row, a bidi override, then 1 000 more characters.
+    fn hostile() -> String {
+        format!("\x1b]0;pwn\x07\x1b[2J\n    666 root FORGED\u{202e}{}", "A".repeat(1000))
+    }
+
+    /// Process 10 with three findings (the last a hostile kernel name), process 20 with none.
+    fn snapshot() -> Arc<Snapshot> {
+        let (mut corr, mut p) = with_processes(&[10, 20]);
+        p.note_anomaly(10, S / 2, &kernel_finding("gemm_x", 412_000.0, 41_000.0, 115.4));
+        let copy = Finding {
+            what: What::Call {
+                api: "cuMemcpyHtoD_v2",
+                size: 23,
+            },
+            observed: 5_000_000.0,
+            typical: 3_000.0,
+            deviation: 9.87,
+        };
+        p.note_anomaly(10, S, &copy);
+        p.note_anomaly(10, 2 * S, &kernel_finding(&hostile(), 20_000.0, 2_000.0, 115.1));
+        publish(&mut p, &mut corr, 3 * S)
+    }
+
+    /// Nothing an observed process wrote reaches the terminal raw.
+    fn assert_safe(text: &str) {
+        let bad: Vec<char> = text
+            .chars()
+            .filter(|&c| (c.is_control() && c != '\n') || c == '\u{202e}')
+            .collect();
+        assert!(bad.is_empty(), "raw {bad:?} in:\n{text}");
+        assert!(!text.contains("\n    666 root"), "a forged row:\n{text}");
+    }
+
+    #[test]
+    fn the_live_table_marks_processes_with_anomalies_and_lists_the_latest_safely() {
+        let snap = snapshot();
+        let text = LiveView::default().render(&snap, &Drops::default(), &HashMap::new(), 1.0, 3.0);
+        assert_safe(&text);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[1].ends_with("  ANOM"), "{text}");
+        let row = |pid: &str| {
+            *lines
+                .iter()
+                .find(|l| l.trim_start().starts_with(pid))
+                .unwrap_or_else(|| panic!("no row {pid}:\n{text}"))
+        };
+        assert!(row("10 ").ends_with(" !3"), "{text}");
+        assert!(row("20 ").ends_with("      0"), "{text}");
+        // Newest first; the hostile name escaped and cut to 80 characters as shown.
+        let shown = "\\x1b]0;pwn\\x07\\x1b[2J\\x0a    666 root FORGED\\u{202e}";
+        let name = format!("{shown}{}…", "A".repeat(80 - shown.chars().count()));
+        let anomalies: Vec<&str> = lines.iter().copied().filter(|l| l.starts_with("! ")).collect();
+        assert_eq!(
+            anomalies,
+            [
+                format!("! pid 10 kernel \"{name}\" 20.0 µs, typically 2.00 µs (115 dev), 1.0 s ago"),
+                "! pid 10 cuMemcpyHtoD_v2 of 4 MiB–8 MiB 5.00 ms, typically 3.00 µs (9.87 dev), 2.0 s ago".into(),
+                "! pid 10 kernel \"gemm_x\" 412 µs, typically 41.0 µs (115 dev), 2.5 s ago".into(),
+            ]
+        );
+    }
+
+    #[test]
+    fn the_final_summary_gives_each_process_its_count_the_most_severe_and_the_latest() {
+        let snap = snapshot();
+        let text = final_summary(&snap, &Drops::default(), 3 * S, &HashMap::new());
+        assert_safe(&text);
+        let at = |pid: &str| {
+            let from = text
+                .find(&format!("\npid {pid} (train)"))
+                .unwrap_or_else(|| panic!("{text}"));
+            let block = &text[from + 1..];
+            block[..block.find("\n\n").unwrap_or(block.len())].to_string()
+        };
+        let ten = at("10");
+        let lines: Vec<&str> = ten
+            .lines()
+            .filter(|l| l.contains("anomalies") || l.starts_with("    most") || l.starts_with("    latest"))
+            .collect();
+        assert_eq!(lines[0], "  anomalies              3", "{ten}");
+        assert_eq!(
+            lines[1], "    most severe kernel \"gemm_x\" 412 µs, typically 41.0 µs (115 dev)",
+            "{ten}"
+        );
+        assert!(
+            lines[2].starts_with("    latest      kernel \"\\x1b]0;pwn\\x07"),
+            "{ten}"
+        );
+        assert!(
+            lines[2].ends_with("AAA…\" 20.0 µs, typically 2.00 µs (115 dev)"),
+            "{ten}"
+        );
+        assert!(at("20").contains("\n  anomalies              0\n"), "{}", at("20"));
+    }
+
+    #[test]
+    fn findings_read_in_their_units() {
+        let bw = Finding {
+            what: What::Bandwidth {
+                direction: Direction::GpuToCpu,
+                size: 30,
+                on_gpu: true,
+            },
+            observed: 2.1e9,
+            typical: 25.04e9,
+            deviation: 12.0,
+        };
+        assert_eq!(
+            describe_finding(&bw, Mode::Robust),
+            "D→H bandwidth of 512 MiB–1 GiB on the GPU 2.10 GB/s, typically 25.0 GB/s (12.0 dev)"
+        );
+        let sync = Finding {
+            what: What::Call {
+                api: "cuStreamSynchronize",
+                size: 0,
+            },
+            observed: 1.5e9,
+            typical: 800.0,
+            deviation: 4.44,
+        };
+        assert_eq!(
+            describe_finding(&sync, Mode::Sigma),
+            "cuStreamSynchronize 1.50 s, typically 800 ns (4.44σ)"
+        );
+        assert_eq!(size_range(1), " of 1 B–2 B");
+        assert_eq!(size_range(64), " of 8388608 TiB–16777216 TiB");
+        assert_eq!(human_rate(999.0), "999 B/s");
+        assert_eq!(human_rate(1.5e4), "15.0 kB/s");
     }
 }

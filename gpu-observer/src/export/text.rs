@@ -47,6 +47,27 @@ pub fn printable(s: &str) -> String {
     Printable(s).to_string()
 }
 
+/// [`Printable`] cut to at most `max` characters as shown (escapes included, never split),
+/// then `…`: a name an observed process chose (up to 1 KiB, and four times that once escaped)
+/// takes one bounded stretch of a line.
+pub fn printable_cut(s: &str, max: usize) -> String {
+    let mut out = String::new();
+    let mut shown = 0;
+    let mut one = String::new();
+    for c in s.chars() {
+        one.clear();
+        let _ = write!(one, "{}", Printable(c.encode_utf8(&mut [0; 4])));
+        let n = one.chars().count();
+        if shown + n > max {
+            out.push('…');
+            return out;
+        }
+        out.push_str(&one);
+        shown += n;
+    }
+    out
+}
+
 /// A message for stderr: untrusted parts should already be [`Printable`]; this escapes what is
 /// left except line breaks and tabs the agent's own messages use.
 pub fn message(s: &str) -> String {
@@ -73,6 +94,23 @@ mod tests {
         assert_eq!(printable("gemm\u{202e}txt.exe"), "gemm\\u{202e}txt.exe");
         assert_eq!(printable("void k<float>(int*)"), "void k<float>(int*)");
         assert_eq!(printable("ядро_µs"), "ядро_µs");
+    }
+
+    #[test]
+    fn a_cut_name_is_bounded_as_shown_and_never_splits_an_escape() {
+        assert_eq!(printable_cut("gemm", 4), "gemm");
+        assert_eq!(printable_cut("gemm_x", 4), "gemm…");
+        // "ab" then "\x1b" (4 characters shown) does not fit in 5: cut before it.
+        assert_eq!(printable_cut("ab\x1b[2J", 5), "ab…");
+        assert_eq!(printable_cut("ab\x1b[2J", 6), "ab\\x1b…");
+        assert_eq!(printable_cut("\u{202e}x", 8), "\\u{202e}…");
+        let long = "\x1b]0;pwn\x07".repeat(200);
+        let cut = printable_cut(&long, 80);
+        // 14 characters shown a repetition: five, then "\x1b]0;pwn" (10), then the ellipsis.
+        assert_eq!(cut.chars().count(), 5 * 14 + 10 + 1, "{cut}");
+        assert!(cut.ends_with("\\x1b]0;pwn…"), "{cut}");
+        assert!(cut.starts_with("\\x1b]0;pwn\\x07\\x1b]0;pwn\\x07"), "{cut}");
+        assert!(!cut.chars().any(|c| c.is_control()), "{cut}");
     }
 
     #[test]
