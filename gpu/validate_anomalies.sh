@@ -89,6 +89,37 @@ otlp_run() { # NAME
     ((PIPESTATUS[0] == 0)) || fail=1
 }
 
+# The terminal view of the same loop: the final summary's anomaly count for the process (at
+# least the planted kernels) and its most severe finding.
+term_run() { # NAME
+    local name=$1 rc=0
+    timeout --kill-after=10 180 "$OBS" --format terminal --output "$W/$name.txt" \
+        run -- "$PY" "$A" --kind spin --spin-us 5 --iterations 10000 --plant-every 1000 --out "$W/$name.json" \
+        >"$W/$name.out" 2>"$W/$name.err" || rc=$?
+    note "== $name (gpu-observer run, CUPTI, terminal view to a file): rc=$rc — $(tail -n 1 "$W/$name.out")"
+    "$PY" - "$W/$name.txt" "$W/$name.json" <<'EOF2' 2>&1 | tee -a "$REPORT"
+import json, re, sys
+text, w = open(sys.argv[1], encoding="utf-8", errors="replace").read(), json.load(open(sys.argv[2]))
+planted = len(w["planted"])
+# The process's block of the final summary: its `pid N (comm)` line, then the indented lines.
+lines = text.splitlines()
+at = max((i for i, l in enumerate(lines) if l.startswith(f"pid {w['pid']} (")), default=None)
+block = ""
+if at is not None:
+    for l in lines[at + 1:]:
+        if not l.startswith("  "):
+            break
+        block += l + "\n"
+count = re.search(r"^  anomalies\s+(\d+)$", block, re.M)
+worst = re.search(r"^    most severe (.*)$", block, re.M)
+n = int(count.group(1)) if count else -1
+ok = n >= planted and worst is not None
+print(f"terminal: anomalies {n} (planted {planted}); most severe: {worst.group(1) if worst else None} -> {'PASS' if ok else 'FAIL'}")
+sys.exit(0 if ok else 1)
+EOF2
+    ((PIPESTATUS[0] == 0)) || fail=1
+}
+
 want() { [[ -z ${KINDS:-} || " $KINDS " == *" $1 "* ]]; }
 note "# Anomaly detection on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) ($(cat "$(dirname "$OBS")/COMMIT" 2>/dev/null || echo '?'))"
 want train && under_run train - "$PY" "$B" --kind train --seconds 8
@@ -101,6 +132,7 @@ want copy && under_run copy - "$PY" "$A" --kind copy --iterations 15000
 want spin_plant && under_run spin_plant kernel "$PY" "$A" --kind spin --iterations 20000 --plant-every 1000
 want copy_plant && under_run copy_plant copy "$PY" "$A" --kind copy --iterations 15000 --plant-every 1000
 want otlp_spin && otlp_run otlp_spin
+want term_spin && term_run term_spin
 want copy_plant_observed && observed copy_plant_observed copy "$PY" "$A" --kind copy --iterations 15000 --plant-every 1000
 
 # The table (docs/VALIDATION.md, "Anomalies").
