@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Captures the dashboard (issue 15) on a real GPU: runs the observer on a pseudo-terminal of a
+fixed size while a workload runs, keeps the raw terminal stream up to a moment, sends `q`, and
+keeps the rest (the restored terminal and the final summary).
+
+usage (root, repo root):
+  python3 gpu/capture_dashboard.py OUT_PREFIX [--cols 120] [--rows 40] [--after-s 8]
+      [--observer .gpu-bundle/gpu-observer] -- WORKLOAD ARGS...
+
+Writes OUT_PREFIX.screen.raw (the stream until `q` was sent: replay it through a terminal
+emulator to see the screen a person saw), OUT_PREFIX.exit.raw (the stream after), and
+OUT_PREFIX.json ({"cols", "rows", "after_s", "observer_rc", "workload_rc"}). The observer
+watches every process (its default); the workload starts once the observer says it is ready
+(on its stderr, kept in OUT_PREFIX.err).
+"""
+
+import argparse
+import fcntl
+import json
+import os
+import pty
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+
+
+def read_for(fd, seconds, out):
+    end = time.monotonic() + seconds
+    while True:
+        left = end - time.monotonic()
+        if left <= 0:
+            return True
+        r, _, _ = select.select([fd], [], [], min(left, 0.1))
+        if r:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                return False  # the observer closed the terminal
+            if not chunk:
+                return False
+            out.extend(chunk)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("prefix")
+    ap.add_argument("--cols", type=int, default=120)
+    ap.add_argument("--rows", type=int, default=40)
+    ap.add_argument("--after-s", type=float, default=8.0)
+    ap.add_argument("--observer", default=".gpu-bundle/gpu-observer")
+    ap.add_argument("workload", nargs=argparse.REMAINDER)
+    a = ap.parse_args()
+    workload = a.workload[1:] if a.workload[:1] == ["--"] else a.workload
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", a.rows, a.cols, 0, 0))
+    err = open(a.prefix + ".err", "wb")
+    env = dict(os.environ, TERM="xterm-256color")
+    obs = subprocess.Popen([a.observer], stdin=slave, stdout=slave, stderr=err, env=env,
+                           start_new_session=True,
+                           preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+    os.close(slave)
+    screen = bytearray()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        read_for(master, 0.2, screen)
+        with open(a.prefix + ".err", "rb") as f:
+            if b"ready" in f.read():
+                break
+    wl = subprocess.Popen(workload, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if workload else None
+    read_for(master, a.after_s, screen)
+    os.write(master, b"q")
+    rest = bytearray()
+    read_for(master, 10, rest)
+    try:
+        orc = obs.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        obs.kill()
+        orc = obs.wait()
+    wrc = None
+    if wl:
+        try:
+            wrc = wl.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            wl.kill()
+            wrc = wl.wait()
+    with open(a.prefix + ".screen.raw", "wb") as f:
+        f.write(screen)
+    with open(a.prefix + ".exit.raw", "wb") as f:
+        f.write(rest)
+    with open(a.prefix + ".json", "w") as f:
+        json.dump({"cols": a.cols, "rows": a.rows, "after_s": a.after_s, "observer_rc": orc,
+                   "workload_rc": wrc}, f)
+    print(f"capture_dashboard: {len(screen)} bytes until q, {len(rest)} after; observer rc {orc}, workload rc {wrc}")
+    return 0 if orc == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
