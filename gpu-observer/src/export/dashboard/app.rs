@@ -493,3 +493,599 @@ fn nvml_state(v: &nvml::View) -> String {
         s => format!("NVML {}", s.name()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use ratatui::{
+        buffer::Buffer,
+        crossterm::event::{KeyCode, KeyEvent, KeyModifiers},
+        style::{Color, Modifier},
+    };
+
+    use super::*;
+    use crate::{
+        analyze::{
+            findings::Findings,
+            verdict::{Class, Evidence},
+        },
+        correlate::{Amount, Leak, SyncTarget, cupti_join::GpuStats},
+        decode::KernelName,
+        export::dashboard::testing::*,
+        snapshot::GpuView,
+    };
+
+    const HOSTILE: &str = "\x1b]0;pwn\x07";
+
+    fn press(app: &mut App, code: KeyCode) -> Action {
+        app.key(KeyEvent::new(code, KeyModifiers::NONE))
+    }
+
+    fn typed(app: &mut App, s: &str) {
+        for c in s.chars() {
+            press(app, KeyCode::Char(c));
+        }
+    }
+
+    /// Process 10 (train: 4 000 launches/s, 50 % in syncs, kernels, CUPTI, leaks, anomalies),
+    /// 20 (infer: 2 000 launches/s, 100 MB/s host to device) and 30 (a hostile name, on GPU 0
+    /// at 90 % SM by NVML), one second apart.
+    fn two_snapshots() -> (Snapshot, Snapshot, HashMap<u32, ProcessVerdict>) {
+        let nv = |hist: &[u32]| {
+            let mut v = (*nvml_view(vec![device(0, hist)])).clone();
+            v.procs.insert(
+                30,
+                nvml::ProcUse {
+                    devices_now: vec![0],
+                    memory_bytes: 3 * GIB,
+                    sm_util_last: Some(90),
+                    ..Default::default()
+                },
+            );
+            Arc::new(v)
+        };
+        let hist: Vec<u32> = [0; 300].into_iter().chain([100; 300]).collect();
+        let train = |launches, sync_ns, busy_ns| {
+            let mut s = stats(launches, 0, sync_ns);
+            s.sync_by_target = BTreeMap::from([
+                (
+                    SyncTarget::Stream(0x7f00),
+                    Amount {
+                        count: 300,
+                        bytes: 0,
+                        ns: sync_ns * 3 / 5,
+                    },
+                ),
+                (
+                    SyncTarget::Context,
+                    Amount {
+                        count: 200,
+                        bytes: 0,
+                        ns: sync_ns * 2 / 5,
+                    },
+                ),
+            ]);
+            s.live_device = 2 * GIB;
+            s.live_allocs = 3;
+            let mut p = (*process(10, "train", s)).clone();
+            p.top_kernels = vec![
+                (Arc::new(KernelName::new("gemm_kernel")), launches * 3 / 4),
+                (Arc::new(KernelName::new("gemm\u{202e}txt.exe")), launches / 4),
+            ];
+            let mut g = GpuStats {
+                busy_ns,
+                ..GpuStats::default()
+            };
+            g.by_kernel.insert(Arc::from("gemm_kernel"), (1000, 27_000_000));
+            p.gpu = Some(GpuView {
+                status: Default::default(),
+                stats: g,
+            });
+            p.leaks = vec![Leak {
+                api: "cuMemAlloc_v2",
+                mem: gpu_observer_common::api::MemKind::Device,
+                count: 3,
+                bytes: 2 * GIB,
+            }];
+            let mut f = Findings::default();
+            f.note(
+                S / 2,
+                &crate::snapshot::testing::kernel_finding("gemm_x", 412_000.0, 41_000.0, 115.4),
+            );
+            p.anomalies = Some(Arc::new(f));
+            Arc::new(p)
+        };
+        let s1 = snapshot(
+            1,
+            S,
+            vec![
+                train(1_000, 0, 0),
+                process(20, "infer", stats(100, 0, 0)),
+                process(30, HOSTILE, stats(0, 0, 0)),
+            ],
+            nv(&hist),
+        );
+        let s2 = snapshot(
+            2,
+            2 * S,
+            vec![
+                train(5_000, S / 2, S * 93 / 100),
+                process(20, "infer", stats(2_100, 100 << 20, 0)),
+                process(30, HOSTILE, stats(0, 0, 0)),
+            ],
+            nv(&hist),
+        );
+        let verdicts = HashMap::from([(
+            10,
+            ProcessVerdict {
+                pid: 10,
+                comm: "train".into(),
+                verdict: Verdict {
+                    class: Class::GpuBound,
+                    secondary: None,
+                    evidence: Evidence {
+                        window_ns: 10 * S,
+                        gpu_busy: Some(0.93),
+                        busy_source: crate::analyze::verdict::BusySource::Cupti,
+                        ..Evidence::default()
+                    },
+                },
+            },
+        )]);
+        (s1, s2, verdicts)
+    }
+
+    fn running(color: bool) -> App {
+        let (s1, s2, v) = two_snapshots();
+        let mut a = app(color);
+        feed(&mut a, &s1, 0, &v);
+        feed(&mut a, &s2, 0, &v);
+        a
+    }
+
+    /// The pids of the table's rows, top to bottom.
+    fn order(b: &Buffer) -> Vec<u32> {
+        rows(b)
+            .iter()
+            .skip_while(|l| !l.contains(" PID "))
+            .filter(|l| l.starts_with('│'))
+            .filter_map(|l| l.trim_start_matches('│').split_whitespace().next()?.parse().ok())
+            .collect()
+    }
+
+    #[test]
+    fn the_gpu_panel_shows_its_numbers_bars_band_and_history() {
+        let mut a = running(true);
+        let b = render(&mut a, 100, 30);
+        assert!(
+            row_with(&b, "GPU 0 · NVIDIA H100 80GB HBM3")
+                .1
+                .starts_with("┌ GPU 0 · NVIDIA H100 80GB HBM3 ─")
+        );
+        let (_, l1) = row_with(&b, "│GPU ");
+        assert_eq!(
+            l1.trim_end_matches(['│', ' ']),
+            "│GPU █████████████████████░░░░░░░░  73%  MEM ████████████░░░░░░░░░░░░░░░░░  41%  ENC   0%  DEC   0%"
+        );
+        let (y, l2) = row_with(&b, "│VRAM ");
+        assert_eq!(
+            l2.trim_end_matches(['│', ' ']),
+            "│VRAM ███████████████░░░░░░░░░░░░░░░ 40.0/80.0G  PWR 350/700W  65°C WARM  FAN 40%"
+        );
+        // The VRAM bar half full, green; WARM in green, bold.
+        assert_eq!(b[(6, y)].fg, Color::Green);
+        let warm = l2
+            .chars()
+            .collect::<Vec<_>>()
+            .windows(4)
+            .position(|w| w == ['W', 'A', 'R', 'M'])
+            .unwrap() as u16;
+        assert_eq!(b[(warm, y)].fg, Color::Green);
+        assert!(b[(warm, y)].modifier.contains(Modifier::BOLD));
+        let (_, l3) = row_with(&b, "│CLK ");
+        assert_eq!(
+            l3.trim_end_matches(['│', ' ']),
+            "│CLK gfx 1980 SM 1980 mem 2619 MHz  PCIe gen5×16 TX 1.20 GB/s RX 3.40 GB/s"
+        );
+        // 60 s in 89 columns: the older half idle, the newer busy, the column between them
+        // half of each.
+        let (_, l4) = row_with(&b, "│util 60s ");
+        let spark: String = l4.trim_start_matches("│util 60s ").trim_end_matches('│').into();
+        assert_eq!(spark.chars().count(), 89);
+        assert_eq!(spark, format!("{}▅{}", "▁".repeat(44), "█".repeat(44)), "{spark}");
+    }
+
+    #[test]
+    fn temperatures_fall_in_bands_and_history_columns_average_their_samples() {
+        let bands: Vec<&str> = [40, 59, 60, 74, 75, 84, 85, 99]
+            .into_iter()
+            .map(|c| super::super::temperature_band(c).0)
+            .collect();
+        assert_eq!(
+            bands,
+            ["COOL", "COOL", "WARM", "WARM", "HOT", "HOT", "CRITICAL", "CRITICAL"]
+        );
+        let hist: Vec<u32> = [0; 300].into_iter().chain([100; 300]).collect();
+        let v = nvml_view(vec![device(0, &hist)]);
+        assert_eq!(super::gpus::sparkline(&v, 0, 10), "▁▁▁▁▁█████");
+        // Six seconds seen: the rest of the minute blank; (73 + 59 × 50) / 60 rounds to ▅.
+        let v = nvml_view(vec![device(0, &[50; 60])]);
+        assert_eq!(super::gpus::sparkline(&v, 0, 10), "        ▅▅");
+        let mut hot = (*nvml_view(vec![device(0, &[])])).clone();
+        let mut s = (*hot.history[0][0]).clone();
+        s.temperature_c = Some(91);
+        hot.history[0][0] = Arc::new(s);
+        let mut a = app(true);
+        feed(&mut a, &snapshot(1, S, vec![], Arc::new(hot)), 0, &HashMap::new());
+        let b = render(&mut a, 100, 30);
+        let (y, l) = row_with(&b, "91°C CRITICAL");
+        let col = l
+            .chars()
+            .collect::<Vec<_>>()
+            .windows(8)
+            .position(|w| w.iter().collect::<String>() == "CRITICAL")
+            .unwrap();
+        assert_eq!(b[(col as u16, y)].fg, Color::Red);
+    }
+
+    #[test]
+    fn rows_show_rates_between_snapshots() {
+        let mut a = running(true);
+        let b = render(&mut a, 200, 30);
+        let (_, h) = row_with(&b, "PID");
+        assert_eq!(
+            h.split_whitespace().collect::<Vec<_>>(),
+            [
+                "│", "PID", "COMMAND", "GPU", "BUSY%", "LAUNCH/s", "H→D", "MB/s", "D→H", "MB/s", "SYNC%", "MEM", "POD",
+                "VERDICT", "CUPTI", "ANOM", "│"
+            ]
+        );
+        let cells = |pid: &str| {
+            let (_, l) = row_with(&b, &format!("│{pid:>7} "));
+            l.split_whitespace().map(str::to_string).collect::<Vec<_>>()
+        };
+        assert_eq!(
+            cells("10"),
+            [
+                "│",
+                "10",
+                "train",
+                "-",
+                "93",
+                "4.0k",
+                "0.0",
+                "0.0",
+                "50",
+                "2.0G",
+                "gpu_bound",
+                "unknown",
+                "!1",
+                "│"
+            ]
+        );
+        assert_eq!(
+            cells("20"),
+            [
+                "│", "20", "infer", "-", "-", "2.0k", "100.0", "0.0", "0", "-", "-", "-", "0", "│"
+            ]
+        );
+        assert_eq!(
+            cells("30"),
+            [
+                "│",
+                "30",
+                "\\x1b]0;pwn\\x07",
+                "0",
+                "90",
+                "0",
+                "0.0",
+                "0.0",
+                "0",
+                "3.0G",
+                "-",
+                "-",
+                "0",
+                "│"
+            ]
+        );
+        // The first snapshot alone has no rates.
+        let (s1, _, v) = two_snapshots();
+        let mut first = app(true);
+        feed(&mut first, &s1, 0, &v);
+        let b = render(&mut first, 200, 30);
+        assert!(
+            row_with(&b, "│     20 infer")
+                .1
+                .contains("-        -        -        -     - ")
+        );
+    }
+
+    #[test]
+    fn s_cycles_the_sort_and_arrows_move_the_highlight() {
+        let mut a = running(true);
+        assert_eq!(order(&render(&mut a, 120, 30)), [10, 20, 30]);
+        assert!(
+            row_with(&render(&mut a, 120, 30), "sort: launches/s")
+                .1
+                .contains("processes 3/3")
+        );
+        press(&mut a, KeyCode::Char('s'));
+        assert_eq!(a.sort, Sort::Busy);
+        // 30 at NVML's 90 %, 10 at CUPTI's 93 %: 10, 30, then 20 (unknown) last.
+        assert_eq!(order(&render(&mut a, 120, 30)), [10, 30, 20]);
+        press(&mut a, KeyCode::Char('s'));
+        assert_eq!(order(&render(&mut a, 120, 30)), [20, 10, 30]);
+        assert!(row_with(&render(&mut a, 120, 30), "sort: copies MB/s").0 > 0);
+        // The selection stays on its process (10, the first at the start) across sorts.
+        let b = render(&mut a, 120, 30);
+        let (y10, _) = row_with(&b, "│     10 ");
+        let (y20, _) = row_with(&b, "│     20 ");
+        assert!(b[(3, y10)].modifier.contains(Modifier::REVERSED));
+        assert!(!b[(3, y20)].modifier.contains(Modifier::REVERSED));
+        assert_eq!(press(&mut a, KeyCode::Down), Action::Redraw);
+        let b = render(&mut a, 120, 30);
+        assert_eq!(a.selected, Some(30));
+        assert!(
+            b[(3, row_with(&b, "│     30 ").0)]
+                .modifier
+                .contains(Modifier::REVERSED)
+        );
+        assert!(
+            !b[(3, row_with(&b, "│     10 ").0)]
+                .modifier
+                .contains(Modifier::REVERSED)
+        );
+        press(&mut a, KeyCode::Down);
+        assert_eq!(a.selected, Some(30), "the last row stays selected");
+        press(&mut a, KeyCode::Up);
+        press(&mut a, KeyCode::Up);
+        assert_eq!(a.selected, Some(20));
+    }
+
+    #[test]
+    fn slash_filters_rows_and_esc_clears() {
+        let mut a = running(true);
+        press(&mut a, KeyCode::Char('/'));
+        typed(&mut a, "inf");
+        let b = render(&mut a, 120, 30);
+        assert_eq!(order(&b), [20]);
+        assert!(row_with(&b, "processes 1/3").1.contains("filter: /inf"));
+        assert!(rows(&b)[29].starts_with("/inf▏  Enter keeps, Esc clears"));
+        // While typing, q is text, not quit.
+        assert_eq!(press(&mut a, KeyCode::Char('q')), Action::Redraw);
+        assert_eq!(order(&render(&mut a, 120, 30)), Vec::<u32>::new());
+        assert!(row_with(&render(&mut a, 120, 30), "(no process matches /infq)").0 > 0);
+        press(&mut a, KeyCode::Backspace);
+        press(&mut a, KeyCode::Enter);
+        assert_eq!(order(&render(&mut a, 120, 30)), [20]);
+        // Enter kept the filter; the pid matches too; Esc clears it.
+        press(&mut a, KeyCode::Esc);
+        assert_eq!(order(&render(&mut a, 120, 30)), [10, 20, 30]);
+        press(&mut a, KeyCode::Char('/'));
+        typed(&mut a, "30");
+        assert_eq!(order(&render(&mut a, 120, 30)), [30]);
+        press(&mut a, KeyCode::Esc);
+        assert_eq!(order(&render(&mut a, 120, 30)), [10, 20, 30]);
+        assert!(!a.filtering);
+    }
+
+    #[test]
+    fn enter_opens_the_detail_of_the_selected_process() {
+        let mut a = running(true);
+        press(&mut a, KeyCode::Enter);
+        let b = render(&mut a, 120, 40);
+        let text = rows(&b).join("\n");
+        assert!(row_with(&b, "┌ pid 10 · train ").0 > 0, "{text}");
+        let line = |needle: &str| row_with(&b, needle).1.trim_end_matches(['│', ' ']).to_string();
+        assert_eq!(line("verdict   "), "│verdict   gpu_bound");
+        // The evidence and the hint, wrapped in the pane.
+        assert!(
+            line("GPU busy 93.0%")
+                .starts_with("│          gpu_bound over 10.0 s: GPU busy 93.0% (cupti) — the kernels are")
+        );
+        assert!(text.contains("optimize the top kernels by GPU"), "{text}");
+        assert_eq!(line("      3750×"), "│        3750×  gemm_kernel");
+        assert_eq!(line("      1250×"), "│        1250×  gemm\\u{202e}txt.exe");
+        assert_eq!(line("mean"), "│     27.0 ms     1000×  mean   27.0 µs  gemm_kernel");
+        assert_eq!(
+            line("syncs"),
+            "│syncs     500 × 500 ms blocked; stream 0x7f00 300× 300 ms, context 200× 200 ms"
+        );
+        assert_eq!(
+            line("memory"),
+            "│memory    2.0 GiB outstanding in 3 allocations (2.0 GiB device, 0 B managed, 0 B pinned host)"
+        );
+        assert_eq!(
+            line("not freed"),
+            "│          3 × 2.0 GiB of device memory from cuMemAlloc_v2 not freed"
+        );
+        assert_eq!(line("anomalies "), "│anomalies 1 flagged");
+        assert_eq!(
+            line("412 µs"),
+            "│          kernel \"gemm_x\" 412 µs, typically 41.0 µs (115 dev), 1.5 s ago"
+        );
+        // The table stays above, smaller; Esc closes.
+        assert!(row_with(&b, "│     20 infer").0 < row_with(&b, "┌ pid 10").0);
+        press(&mut a, KeyCode::Esc);
+        assert!(!rows(&render(&mut a, 120, 40)).join("\n").contains("┌ pid 10"));
+        // Tab toggles as well; on a short screen the detail takes the table's place.
+        press(&mut a, KeyCode::Tab);
+        let b = render(&mut a, 80, 24);
+        assert!(row_with(&b, "┌ pid 10 · train").0 > 0);
+        assert!(!rows(&b).join("\n").contains("LAUNCH/s"));
+    }
+
+    #[test]
+    fn drops_are_red_with_the_remedy() {
+        let (_, s2, v) = two_snapshots();
+        let mut a = app(true);
+        feed(&mut a, &s2, 7, &v);
+        let b = render(&mut a, 120, 30);
+        let status = &rows(&b)[29];
+        assert!(
+            status.starts_with(
+                "12 s │ 12345 events │ 7 dropped: raise --ring-buffer-size │ 3 libraries attached │ NVML 1 GPU │ ? help"
+            ),
+            "{status}"
+        );
+        let x = status.chars().position(|c| c == '7').unwrap() as u16;
+        assert_eq!(b[(x, 29)].fg, Color::Red);
+        feed(
+            &mut a,
+            &{
+                let mut s = s2.clone();
+                s.seq = 3;
+                s
+            },
+            0,
+            &v,
+        );
+        let status = rows(&render(&mut a, 120, 30))[29].clone();
+        assert!(status.starts_with("12 s │ 12345 events │ 0 dropped │ "), "{status}");
+    }
+
+    #[test]
+    fn question_mark_shows_the_keys_and_any_key_closes_them() {
+        let mut a = running(true);
+        press(&mut a, KeyCode::Char('?'));
+        let b = render(&mut a, 80, 24);
+        assert!(row_with(&b, "┌ keys ").0 > 0);
+        assert!(row_with(&b, "│ s            cycle the sort column").0 > 0);
+        assert!(row_with(&b, "│ /            filter by command, pid, pod").0 > 0);
+        assert_eq!(press(&mut a, KeyCode::Char('x')), Action::Redraw);
+        assert!(!rows(&render(&mut a, 80, 24)).join("\n").contains("┌ keys "));
+        assert_eq!(press(&mut a, KeyCode::Char('q')), Action::Quit);
+        assert_eq!(
+            a.key(KeyEvent::new(KeyCode::Char('c'), KeyModifiers::CONTROL)),
+            Action::Quit
+        );
+    }
+
+    #[test]
+    fn p_pauses_updates() {
+        let (s1, s2, v) = two_snapshots();
+        let mut a = app(true);
+        feed(&mut a, &s1, 0, &v);
+        press(&mut a, KeyCode::Char('p'));
+        feed(&mut a, &s2, 0, &v);
+        let b = render(&mut a, 120, 30);
+        assert!(rows(&b)[29].contains("PAUSED (p resumes)"));
+        // Still the first snapshot: no rates.
+        assert!(row_with(&b, "│     10 train").1.contains("     -        -"));
+    }
+
+    #[test]
+    fn fits_80_by_24_and_collapses_many_gpus_to_lines() {
+        let mut a = running(true);
+        let b = render(&mut a, 80, 24);
+        let r = rows(&b);
+        assert!(r[0].starts_with("┌ GPU 0 · NVIDIA H100 80GB HBM3 "), "{}", r.join("\n"));
+        assert_eq!(
+            r[7].split_whitespace().collect::<Vec<_>>(),
+            [
+                "│", "PID", "COMMAND", "BUSY%", "LAUNCH/s", "H→D", "MB/s", "D→H", "MB/s", "SYNC%", "VERDICT", "│"
+            ]
+        );
+        assert_eq!(order(&b), [10, 20, 30]);
+        assert!(r[23].starts_with("12 s │ 12345 events │ 0 dropped │ 3 libraries attached │ NVML 1 GPU"));
+        // Four GPUs do not fit as panels at 24 rows: a line each.
+        let (_, s2, v) = two_snapshots();
+        let four = nvml_view((0..4).map(|i| device(i, &[50; 10])).collect());
+        let mut a = app(true);
+        feed(&mut a, &snapshot(1, S, s2.procs.clone(), four), 0, &v);
+        let r = rows(&render(&mut a, 80, 24));
+        assert!(r[0].starts_with("┌ GPUs "), "{}", r.join("\n"));
+        assert_eq!(
+            r[1].trim_end_matches(['│', ' ']),
+            "│ 0 NVIDIA H100… GPU ██████░░  73%  VRAM ███░░░ 40.0/80.0G  350/700W  65°C WARM"
+        );
+        assert!(r[4].starts_with("│ 3 NVIDIA H100…"));
+        assert_eq!(order(&render(&mut a, 80, 24)), [10, 20, 30]);
+        // Forty: as many as leave the table its rows, then how many more.
+        let forty = nvml_view((0..40).map(|i| device(i, &[])).collect());
+        let mut a = app(false);
+        feed(&mut a, &snapshot(1, S, s2.procs.clone(), forty), 0, &v);
+        let r = rows(&render(&mut a, 80, 24));
+        assert_eq!(r[13].trim_end_matches(['│', ' ']), "│+28 more GPUs", "{}", r.join("\n"));
+        assert!(r[16].contains("PID"), "{}", r.join("\n"));
+    }
+
+    #[test]
+    fn no_color_draws_no_colour() {
+        for color in [false, true] {
+            let (s1, s2, v) = two_snapshots();
+            let mut a = app(color);
+            feed(&mut a, &s1, 3, &v);
+            feed(&mut a, &s2, 3, &v);
+            press(&mut a, KeyCode::Enter);
+            let b = render(&mut a, 120, 40);
+            let coloured = b
+                .content()
+                .iter()
+                .filter(|c| c.fg != Color::Reset || c.bg != Color::Reset)
+                .count();
+            if color {
+                assert!(coloured > 0);
+            } else {
+                assert_eq!(coloured, 0);
+                // Still marked: the selection reversed.
+                assert!(
+                    b[(3, row_with(&b, "│     10 ").0)]
+                        .modifier
+                        .contains(Modifier::REVERSED)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn hostile_names_are_inert() {
+        // A container whose pod name holds an OSC title change.
+        let root = std::env::temp_dir().join(format!("gpu-observer-dashboard-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let id = "0123456789abcdef".repeat(4);
+        std::fs::create_dir_all(root.join("proc/30")).unwrap();
+        std::fs::create_dir_all(root.join("logs")).unwrap();
+        std::fs::write(
+            root.join("proc/30/cgroup"),
+            format!("0::/system.slice/docker-{id}.scope\n"),
+        )
+        .unwrap();
+        std::fs::write(root.join(format!("logs/evil{HOSTILE}\u{202e}pod_ns_main-{id}.log")), "").unwrap();
+        let (s1, s2, v) = two_snapshots();
+        let mut a = App::new(true).with_procinfo(ProcInfo::new(root.join("proc"), root.join("logs")));
+        feed(&mut a, &s1, 0, &v);
+        feed(&mut a, &s2, 0, &v);
+        let b = render(&mut a, 200, 40);
+        let (_, l) = row_with(&b, "│     30 ");
+        assert!(l.contains("\\x1b]0;pwn\\x07"), "{l}");
+        // The pod column cut at its width; the detail's title has it whole.
+        assert!(l.contains(" ns/evil\\x1b]0;pwn\\x07\\u{ "), "{l}");
+        // The kernel name in the detail pane of 10.
+        press(&mut a, KeyCode::Enter);
+        let b2 = render(&mut a, 200, 40);
+        // Then 30's detail, title with the pod.
+        press(&mut a, KeyCode::Down);
+        press(&mut a, KeyCode::Down);
+        let b3 = render(&mut a, 200, 40);
+        assert!(
+            row_with(
+                &b3,
+                "┌ pid 30 · \\x1b]0;pwn\\x07 · ns/evil\\x1b]0;pwn\\x07\\u{202e}pod/main "
+            )
+            .0 > 0
+        );
+        for b in [&b, &b2, &b3] {
+            for c in b.content() {
+                assert!(
+                    !c.symbol().chars().any(|ch| ch.is_control() || ch == '\u{202e}'),
+                    "raw {:?}",
+                    c.symbol()
+                );
+            }
+        }
+        assert!(rows(&b2).join("\n").contains("gemm\\u{202e}txt.exe"));
+        let _ = std::fs::remove_dir_all(&root);
+    }
+}

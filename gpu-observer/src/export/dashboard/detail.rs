@@ -62,11 +62,8 @@ pub(super) fn lines(row: &Row, v: Option<&Verdict>, nvml: Option<&View>, app: &A
                 l.push(Span::raw(format!(" (then {})", s2.name())));
             }
             out.push(Line::from(l));
+            // describe(): the class, the numbers that decided it, and the hint.
             out.push(Line::raw(format!("          {}", printable_cut(&v.describe(), 400))));
-            out.push(Line::from(vec![
-                Span::raw("          hint: "),
-                Span::styled(v.class.hint(), t.fg(Color::Cyan)),
-            ]));
         }
         None => out.push(Line::from(vec![
             head(t, "verdict"),
