@@ -905,6 +905,18 @@ mod tests {
             line("412 µs"),
             "│          kernel \"gemm_x\" 412 µs, typically 41.0 µs (115 dev), 1.5 s ago"
         );
+        // Another process's copies, now and in total.
+        press(&mut a, KeyCode::Down);
+        let b20 = render(&mut a, 120, 40);
+        assert_eq!(
+            row_with(&b20, "copies").1.trim_end_matches(['│', ' ']),
+            "│copies    H→D   100.0 MB/s now; 100 copies, 100.0 MiB, - while copying"
+        );
+        assert_eq!(
+            row_with(&b20, "verdict").1.trim_end_matches(['│', ' ']),
+            "│verdict   - (not enough samples yet)"
+        );
+        press(&mut a, KeyCode::Up);
         // The table stays above, smaller; Esc closes.
         assert!(row_with(&b, "│     20 infer").0 < row_with(&b, "┌ pid 10").0);
         press(&mut a, KeyCode::Esc);
