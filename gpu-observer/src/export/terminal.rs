@@ -34,7 +34,7 @@ pub struct LiveView {
     prev_taken_ns: u64,
 }
 
-fn human_bytes(b: u64) -> String {
+pub(crate) fn human_bytes(b: u64) -> String {
     let b = b as f64;
     if b >= 1024.0 * MIB {
         format!("{:.1} GiB", b / (1024.0 * MIB))
@@ -199,7 +199,7 @@ fn latest_anomalies(out: &mut String, snap: &Snapshot) {
 
 /// A finding for a person: what (a kernel's name escaped and cut), observed against typical
 /// in their unit, and how many deviations (robust) or σ (sigma) apart.
-fn describe_finding(f: &Finding, mode: Mode) -> String {
+pub(crate) fn describe_finding(f: &Finding, mode: Mode) -> String {
     let what = match &f.what {
         What::Kernel { name, .. } => format!("kernel \"{}\"", printable_cut(&name.demangled, ANOMALY_NAME_CHARS)),
         What::Call { api, size } => format!("{api}{}", size_range(*size)),
@@ -230,7 +230,7 @@ fn describe_finding(f: &Finding, mode: Mode) -> String {
 }
 
 /// A copy direction as the table heads it.
-fn arrow(d: Direction) -> &'static str {
+pub(crate) fn arrow(d: Direction) -> &'static str {
     match d {
         Direction::CpuToGpu => "H→D",
         Direction::GpuToCpu => "D→H",
@@ -268,7 +268,7 @@ fn three_digits(v: f64) -> String {
 }
 
 /// A duration in ns, in the unit that keeps it readable.
-fn human_ns(ns: f64) -> String {
+pub(crate) fn human_ns(ns: f64) -> String {
     if ns < 1e3 {
         format!("{ns:.0} ns")
     } else if ns < 1e6 {
@@ -281,7 +281,7 @@ fn human_ns(ns: f64) -> String {
 }
 
 /// A rate in bytes/s, decimal units (as link rates are quoted).
-fn human_rate(bps: f64) -> String {
+pub(crate) fn human_rate(bps: f64) -> String {
     if bps >= 1e9 {
         format!("{} GB/s", three_digits(bps / 1e9))
     } else if bps >= 1e6 {
