@@ -698,7 +698,7 @@ mod tests {
 
     #[test]
     fn temperatures_fall_in_bands_and_history_columns_average_their_samples() {
-        let bands: Vec<&str> = [40, 59, 60, 74, 75, 84, 85, 99]
+        let bands: Vec<&str> = [40, 50, 51, 70, 71, 85, 86, 99]
             .into_iter()
             .map(|c| super::super::temperature_band(c).0)
             .collect();

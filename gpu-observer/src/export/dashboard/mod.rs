@@ -88,13 +88,13 @@ pub(crate) fn short_bytes(b: u64) -> String {
     }
 }
 
-/// Temperature bands. Datacenter GPUs begin to slow down in the mid-80s °C; the bands say how
-/// near a GPU is to that.
+/// Temperature bands, as the design documents' GPU monitoring spec draws them: COOL to 50 °C,
+/// WARM to 70, HOT to 85, CRITICAL above (datacenter GPUs begin to slow down in the mid-80s).
 pub(crate) fn temperature_band(c: u32) -> (&'static str, Color) {
     match c {
-        0..60 => ("COOL", Color::Cyan),
-        60..75 => ("WARM", Color::Green),
-        75..85 => ("HOT", Color::Yellow),
+        0..=50 => ("COOL", Color::Cyan),
+        51..=70 => ("WARM", Color::Green),
+        71..=85 => ("HOT", Color::Yellow),
         _ => ("CRITICAL", Color::Red),
     }
 }
