@@ -2,6 +2,7 @@
 //! spans); views read snapshots (the terminal, OTLP metrics, the summaries).
 
 pub mod attributes;
+pub mod dashboard;
 pub mod devices;
 pub mod jsonl;
 pub mod otlp;
