@@ -210,7 +210,7 @@ fn attach_line(attach: &str) -> String {
     let held = held().lock().unwrap_or_else(|e| e.into_inner());
     let n = held.lines.len() as u64 + held.more;
     match held.lines.back() {
-        Some(last) => format!("{attach}; {n} messages at exit, latest: {last}"),
+        Some(last) => format!("{attach}; stderr held until exit: {n} lines, latest: {last}"),
         None => attach.to_string(),
     }
 }
