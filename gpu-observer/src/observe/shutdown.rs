@@ -25,10 +25,13 @@ pub(super) async fn shutdown(mut run: Run, end: End) -> Result<i32> {
         mut output_failed,
     } = end;
     // The terminal first: what follows (messages, the summary) goes to the normal screen.
+    // A dashboard that failed (a draw error, a panic) is a failed output: exit 1, the summary
+    // still printed.
     if let Some(d) = run.dashboard.take()
         && let Some(why) = d.stop()
     {
         say(format_args!("error: {why}"));
+        output_failed = true;
     }
     // A started program got the same Ctrl-C: give it a moment to finish (and flush CUPTI).
     if let (Some(s), None) = (run.spawned.as_mut(), exit_status) {
