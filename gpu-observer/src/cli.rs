@@ -33,9 +33,11 @@ pub struct Cli {
     #[arg(long, short = 'd', value_parser = parse_duration, global = true)]
     pub duration: Option<f64>,
 
-    /// Output: a live terminal table, JSON lines (one event per line), or none (OTLP only).
-    #[arg(long, short = 'f', value_enum, default_value_t = Format::Terminal, global = true)]
-    pub format: Format,
+    /// Output: the live dashboard, a plain per-second terminal table, JSON lines (one event
+    /// per line), or none (OTLP only). Default: `dashboard` when stdout is a terminal (without
+    /// --output, and not for `run`, whose program shares the terminal), else `terminal`.
+    #[arg(long, short = 'f', value_enum, global = true)]
+    pub format: Option<Format>,
 
     /// Write the output to this file instead of stdout.
     #[arg(long, short = 'o', global = true)]
@@ -188,6 +190,9 @@ pub enum Command {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Format {
+    /// The full-screen live dashboard (a terminal on stdout): GPUs, processes, verdicts; keys.
+    Dashboard,
+    /// The plain per-second table (and the final summary).
     Terminal,
     Jsonl,
     /// One JSON document (`devices` only).
@@ -262,6 +267,22 @@ fn parse_threshold(s: &str) -> Result<f64, String> {
 }
 
 impl Cli {
+    /// The output format of an observing run: the one given, else the dashboard when stdout
+    /// is a terminal and nothing else owns it (no --output; not `run`, whose program writes to
+    /// the same terminal and may read keys from it), else the plain terminal view.
+    pub fn output_format(&self, stdout_is_terminal: bool) -> Format {
+        match self.format {
+            Some(f) => f,
+            None if stdout_is_terminal && self.output.is_none() && !self.is_run() => Format::Dashboard,
+            None => Format::Terminal,
+        }
+    }
+
+    /// `gpu-observer run …`.
+    pub fn is_run(&self) -> bool {
+        matches!(self.command, Some(Command::Run { .. }))
+    }
+
     /// The anomaly detector's settings.
     pub fn anomalies(&self) -> crate::analyze::anomaly::Config {
         crate::analyze::anomaly::Config {
@@ -313,7 +334,7 @@ mod tests {
             "-u",
             "train.py",
         ]);
-        assert_eq!(c.format, Format::Jsonl);
+        assert_eq!(c.format, Some(Format::Jsonl));
         assert!(c.trace_all);
         match c.command {
             Some(Command::Run { command }) => assert_eq!(command, ["python3", "-u", "train.py"]),
@@ -328,7 +349,7 @@ mod tests {
     #[test]
     fn format_none_is_accepted() {
         let c = Cli::parse_from(["gpu-observer", "--format", "none", "--otlp-endpoint", "http://c:4317"]);
-        assert_eq!(c.format, Format::None);
+        assert_eq!(c.format, Some(Format::None));
     }
 
     #[test]
@@ -351,7 +372,22 @@ mod tests {
         let c = Cli::parse_from(["gpu-observer"]);
         assert_eq!(
             (c.pid, c.format, c.ring_buffer_size, c.max_libraries_per_user),
-            (None, Format::Terminal, 8 * 1024 * 1024, 8)
+            (None, None, 8 * 1024 * 1024, 8)
         );
+    }
+
+    #[test]
+    fn the_dashboard_is_the_default_on_a_terminal_that_nothing_else_owns() {
+        let parse = |args: &[&str]| Cli::parse_from([&["gpu-observer"], args].concat());
+        assert_eq!(parse(&[]).output_format(true), Format::Dashboard);
+        assert_eq!(parse(&[]).output_format(false), Format::Terminal);
+        assert_eq!(parse(&["--output", "f"]).output_format(true), Format::Terminal);
+        assert_eq!(parse(&["run", "--", "x"]).output_format(true), Format::Terminal);
+        assert_eq!(parse(&["--format", "terminal"]).output_format(true), Format::Terminal);
+        assert_eq!(
+            parse(&["--format", "dashboard"]).output_format(false),
+            Format::Dashboard
+        );
+        assert_eq!(parse(&["-f", "jsonl"]).output_format(true), Format::Jsonl);
     }
 }

@@ -166,7 +166,11 @@ fn the_terminal_marks_the_process_and_shows_its_anomaly_with_a_hostile_name_esca
     let mut w = Workload::start_with_env(&env);
     w.cmd(&format!("load {}", lib.display()));
     let pid = w.pid;
-    let cmdline = format!("{} --pid {pid} --no-nvml --interval-ms 100", observer_bin().display());
+    // `--format terminal`: on a terminal the default is the dashboard (issue 15).
+    let cmdline = format!(
+        "{} --format terminal --pid {pid} --no-nvml --interval-ms 100",
+        observer_bin().display()
+    );
     let mut live = Command::new("script")
         .args(["-qfec", &cmdline, "/dev/null"])
         .stdin(Stdio::null())

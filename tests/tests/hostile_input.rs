@@ -493,10 +493,11 @@ fn control_characters_from_observed_processes_never_reach_the_terminal() {
     assert_eq!(line.trim(), "ready");
     let pid = py.id().to_string();
 
-    // The live view, on a terminal (script(1) gives the observer a pty).
+    // The live view, on a terminal (script(1) gives the observer a pty); the plain one (on a
+    // terminal the default is the dashboard).
     let summary = dir.join("summary.txt");
     let cmdline = format!(
-        "{} --pid {pid} --no-nvml --interval-ms 100 --duration 3",
+        "{} --format terminal --pid {pid} --no-nvml --interval-ms 100 --duration 3",
         observer_bin().display()
     );
     let mut live = Command::new("script")

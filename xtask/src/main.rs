@@ -11,6 +11,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
+mod bench_dashboard;
 mod record_fixture;
 mod soak;
 mod workload;
@@ -74,6 +75,27 @@ enum Task {
         #[arg(long)]
         write_baseline: bool,
     },
+    /// What the live dashboard costs the agent (issue 15): ~100 000 launches/s from the fake
+    /// workload under the release agent with `--format none` and with `--format dashboard` on a
+    /// pseudo-terminal, runs interleaved; both CPU medians side by side and their difference in
+    /// % of a core, PASS at most --limit (docs/BENCHMARKS.md, "Dashboard cost"). As root.
+    BenchDashboard {
+        /// Runs of each mode.
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        /// Seconds measured per run (after the warm-up).
+        #[arg(long, default_value_t = 10.0)]
+        seconds: f64,
+        /// Seconds of load before measuring.
+        #[arg(long, default_value_t = 3.0)]
+        warmup: f64,
+        /// Launches a second.
+        #[arg(long, default_value_t = 100_000)]
+        rate: u64,
+        /// The most the dashboard may add, in % of one core.
+        #[arg(long, default_value_t = 1.0)]
+        limit: f64,
+    },
     /// Release binary + GPU scripts in .gpu-bundle/ for a GPU machine (see gpu/README.md).
     Bundle,
     /// Long-run stability (issue 10): the fake workload mix (churn, steady load, CUPTI) under one
@@ -117,6 +139,19 @@ fn main() -> ExitCode {
             seconds,
             write_baseline,
         } => bench_pipeline(records, seconds, write_baseline),
+        Task::BenchDashboard {
+            runs,
+            seconds,
+            warmup,
+            rate,
+            limit,
+        } => bench_dashboard::bench_dashboard(bench_dashboard::Options {
+            runs,
+            seconds,
+            warmup,
+            rate,
+            limit,
+        }),
         Task::Bundle => bundle(),
         Task::Soak {
             minutes,

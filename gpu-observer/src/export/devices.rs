@@ -12,9 +12,9 @@ use crate::{
 pub fn print(cli: &Cli) -> Result<()> {
     let lib = query::open(cli.nvml_lib.as_deref()).map_err(|why| anyhow!("NVML unavailable: {why}"))?;
     let devices = lib.discover().map_err(|why| anyhow!("{why}"))?;
-    let text = match cli.format {
+    let text = match cli.format.unwrap_or(Format::Terminal) {
         Format::Json | Format::Jsonl => serde_json::to_string_pretty(&devices)? + "\n",
-        Format::Terminal | Format::None => table(&devices),
+        Format::Dashboard | Format::Terminal | Format::None => table(&devices),
     };
     let mut out: Box<dyn Write> = match &cli.output {
         Some(p) => {

@@ -3,6 +3,7 @@
 //! the run and ticks ([`tick`]); [`shutdown`] stops everything in order and writes the
 //! summaries.
 
+mod dashboard;
 mod shutdown;
 mod start;
 mod tick;
@@ -18,7 +19,7 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::{
     attach::Attacher,
-    cli::Cli,
+    cli::{Cli, Format},
     export::{otlp::Otlp, terminal},
     nvml::Sampler,
     pipeline::{Reader, Request},
@@ -38,6 +39,12 @@ pub async fn observe(cli: Cli) -> Result<i32> {
 /// Everything a run holds.
 struct Run {
     cli: Cli,
+    /// The output format, resolved (Cli::output_format).
+    format: Format,
+    /// The live dashboard (`--format dashboard`), holding the terminal.
+    dashboard: Option<dashboard::Dashboard>,
+    /// Notified when the dashboard ends by itself (a quit key, a failure).
+    dashboard_ended: Arc<tokio::sync::Notify>,
     at: Attacher,
     spawned: Option<Spawned>,
     sampler: Option<Sampler>,
@@ -89,6 +96,7 @@ impl Run {
             .duration
             .map(|s| tokio::time::Instant::from_std(self.started + Duration::from_secs_f64(s.max(0.0))));
         let failed = self.failed.clone();
+        let dashboard_ended = self.dashboard_ended.clone();
         let mut end = End {
             exit_status: None,
             output_failed: false,
@@ -100,6 +108,8 @@ impl Run {
                     return Ok(end);
                 }
                 _ = sigint.recv() => return Ok(end),
+                // `q` or Ctrl-C on the dashboard: the same way out as SIGINT.
+                _ = dashboard_ended.notified() => return Ok(end),
                 _ = sigterm.recv() => return Ok(end),
                 _ = sigusr1.recv() => self.dump_leaks().await,
                 _ = async { match deadline { Some(t) => tokio::time::sleep_until(t).await, None => std::future::pending().await } } => return Ok(end),

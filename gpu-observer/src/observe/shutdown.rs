@@ -24,6 +24,15 @@ pub(super) async fn shutdown(mut run: Run, end: End) -> Result<i32> {
         mut exit_status,
         mut output_failed,
     } = end;
+    // The terminal first: what follows (messages, the summary) goes to the normal screen.
+    // A dashboard that failed (a draw error, a panic) is a failed output: exit 1, the summary
+    // still printed.
+    if let Some(d) = run.dashboard.take()
+        && let Some(why) = d.stop()
+    {
+        say(format_args!("error: {why}"));
+        output_failed = true;
+    }
     // A started program got the same Ctrl-C: give it a moment to finish (and flush CUPTI).
     if let (Some(s), None) = (run.spawned.as_mut(), exit_status) {
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -48,7 +57,7 @@ pub(super) async fn shutdown(mut run: Run, end: End) -> Result<i32> {
         ));
     }
     let Run {
-        cli,
+        format: run_format,
         at,
         otlp,
         snapshots,
@@ -122,12 +131,12 @@ pub(super) async fn shutdown(mut run: Run, end: End) -> Result<i32> {
     let written: Result<()> = if output_failed {
         Err(anyhow::anyhow!("the output had already failed"))
     } else {
-        match (cli.format, summary_out.as_mut()) {
+        match (run_format, summary_out.as_mut()) {
             (Format::Jsonl, _) => sinks
                 .iter_mut()
                 .try_for_each(|s| s.summary(&summary))
                 .map(|()| say(&events_line)),
-            (Format::Terminal, Some(out)) => out
+            (Format::Terminal | Format::Dashboard, Some(out)) => out
                 .write_all(text.as_bytes())
                 .and_then(|()| out.flush())
                 .map_err(Into::into),

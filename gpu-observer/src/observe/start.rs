@@ -31,11 +31,28 @@ use crate::{
 };
 
 pub(super) async fn start(cli: Cli) -> Result<Run> {
-    if cli.format == Format::Json {
+    let format = cli.output_format(std::io::stdout().is_terminal());
+    if format == Format::Dashboard {
+        // The dashboard owns the terminal: nothing else may write there or read its keys.
+        if cli.output.is_some() {
+            bail!(
+                "--format dashboard draws on the terminal: leave --output out, or use --format terminal or jsonl with it"
+            );
+        }
+        if cli.is_run() {
+            bail!(
+                "`run` shares the terminal with the program it starts: use --format terminal (the default there) or jsonl"
+            );
+        }
+        if !std::io::stdout().is_terminal() {
+            bail!("--format dashboard needs a terminal on stdout; use --format terminal or jsonl otherwise");
+        }
+    }
+    if format == Format::Json {
         bail!("--format json is for `gpu-observer devices`; events are written with --format jsonl");
     }
     let otlp_wanted = export::otlp::wanted(cli.otlp_endpoint.as_deref());
-    if cli.format == Format::None && !otlp_wanted {
+    if format == Format::None && !otlp_wanted {
         bail!("--format none writes nothing locally: use it with --otlp-endpoint (or OTEL_EXPORTER_OTLP_ENDPOINT)");
     }
     let otlp_grpc = if otlp_wanted {
@@ -99,7 +116,7 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
 
     // The event outputs: notices on stderr always, JSON lines with --format jsonl, OTLP spans.
     let mut sinks: Vec<Box<dyn Sink>> = vec![Box::new(terminal::StderrNotices)];
-    let summary_out = match cli.format {
+    let summary_out = match format {
         Format::Jsonl => {
             sinks.push(Box::new(JsonlSink {
                 writer: JsonlWriter::new(writer, cli.threshold_us * 1000, cli.trace_all),
@@ -107,7 +124,7 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
             }));
             None
         }
-        Format::Terminal | Format::Json | Format::None => Some(writer),
+        Format::Dashboard | Format::Terminal | Format::Json | Format::None => Some(writer),
     };
     let nvml_interval = Duration::from_millis(cli.nvml_interval_ms);
     let hub = nvml::Hub::new(
@@ -170,9 +187,30 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
     // A started program shares the terminal: no screen refreshes over its output, the summary
     // comes when it exits.
     let live =
-        cli.format == Format::Terminal && cli.output.is_none() && spawned.is_none() && std::io::stdout().is_terminal();
+        format == Format::Terminal && cli.output.is_none() && spawned.is_none() && std::io::stdout().is_terminal();
+    let dashboard_ended = Arc::new(tokio::sync::Notify::new());
+    let dashboard = if format == Format::Dashboard {
+        // NO_COLOR (no-color.org, as the issue asks): set and not empty.
+        let color = std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+        let first = super::dashboard::Published {
+            attach: attach_line(&at, waiting),
+            ..Default::default()
+        };
+        Some(super::dashboard::Dashboard::start(
+            snapshots.clone(),
+            started,
+            color,
+            first,
+            dashboard_ended.clone(),
+        )?)
+    } else {
+        None
+    };
     Ok(Run {
         cli,
+        format,
+        dashboard,
+        dashboard_ended,
         at,
         spawned,
         sampler,
@@ -194,6 +232,15 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
         verdicts: Default::default(),
         verdict_written: Default::default(),
     })
+}
+
+/// The attach state in one line, for the dashboard.
+pub(super) fn attach_line(at: &Attacher, waiting: bool) -> String {
+    if waiting {
+        format!("no libcuda mapped yet, waiting; {}", at.stats())
+    } else {
+        at.stats().to_string()
+    }
 }
 
 async fn start_otlp(

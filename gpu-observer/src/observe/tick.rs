@@ -83,6 +83,13 @@ impl Run {
         if !write.is_empty() {
             self.reader.ask(Request::Verdicts(snap.taken_ns, write));
         }
+        if let Some(d) = &self.dashboard {
+            d.publish(super::dashboard::Published {
+                verdicts: self.verdicts.clone(),
+                drops: drops.clone(),
+                attach: super::start::attach_line(&self.at, self.waiting),
+            });
+        }
         if self.live {
             let interval_s = self.cli.interval_ms as f64 / 1000.0;
             let text = self.view.render(
