@@ -224,13 +224,23 @@ fn rate(token: &str) -> Option<f64> {
     }
 }
 
-/// The workload's row: the first number after its command name.
+/// The workload's launch rate in the process table.
 fn row_rate(screen: &str, pid: u32) -> Option<f64> {
-    screen
-        .lines()
-        .find(|l| l.contains(&pid.to_string()) && l.contains("cuda_workload"))
-        .and_then(|l| l.split("cuda_workload").nth(1))
-        .and_then(|rest| rest.split_whitespace().find_map(rate))
+    // The value in the process's row under the table's LAUNCH/s header (numbers are
+    // right-aligned in their column: they start at or after the header's first character).
+    let lines: Vec<Vec<char>> = screen.lines().map(|l| l.chars().collect()).collect();
+    let col = lines.iter().find_map(|l| {
+        let s: String = l.iter().collect();
+        s.find("LAUNCH/s").map(|b| s[..b].chars().count())
+    })?;
+    let row = lines.iter().find(|l| {
+        let s: String = l.iter().collect();
+        // Inside the table's border.
+        let s = s.trim_start_matches(['│', ' ']);
+        s.split_whitespace().next() == Some(&pid.to_string()) && s.contains("cuda_workload")
+    })?;
+    let rest: String = row.iter().skip(col).collect();
+    rest.split_whitespace().next().and_then(rate)
 }
 
 #[test]
