@@ -51,9 +51,10 @@ def main():
     ap.add_argument("--rows", type=int, default=40)
     ap.add_argument("--after-s", type=float, default=8.0)
     ap.add_argument("--observer", default=".gpu-bundle/gpu-observer")
-    ap.add_argument("workload", nargs=argparse.REMAINDER)
-    a = ap.parse_args()
-    workload = a.workload[1:] if a.workload[:1] == ["--"] else a.workload
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a = ap.parse_args(argv[:cut])
+    workload = argv[cut + 1:]
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", a.rows, a.cols, 0, 0))
     err = open(a.prefix + ".err", "wb")
