@@ -5,7 +5,7 @@ keeps the rest (the restored terminal and the final summary).
 
 usage (root, repo root):
   python3 gpu/capture_dashboard.py OUT_PREFIX [--cols 120] [--rows 40] [--after-s 8]
-      [--observer .gpu-bundle/gpu-observer] -- WORKLOAD ARGS...
+      [--observer .gpu-bundle/gpu-observer] [--keys KEYS] -- WORKLOAD ARGS...
 
 Writes OUT_PREFIX.screen.raw (the stream until `q` was sent: replay it through a terminal
 emulator to see the screen a person saw), OUT_PREFIX.exit.raw (the stream after), and
@@ -51,6 +51,7 @@ def main():
     ap.add_argument("--rows", type=int, default=40)
     ap.add_argument("--after-s", type=float, default=8.0)
     ap.add_argument("--observer", default=".gpu-bundle/gpu-observer")
+    ap.add_argument("--keys", default="", help="typed 2 s before the capture ends (\\r: Enter)")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     a = ap.parse_args(argv[:cut])
@@ -71,7 +72,12 @@ def main():
             if b"ready" in f.read():
                 break
     wl = subprocess.Popen(workload, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if workload else None
-    read_for(master, a.after_s, screen)
+    if a.keys:
+        read_for(master, max(a.after_s - 2, 0), screen)
+        os.write(master, a.keys.encode().decode("unicode_escape").encode())
+        read_for(master, min(a.after_s, 2), screen)
+    else:
+        read_for(master, a.after_s, screen)
     os.write(master, b"q")
     rest = bytearray()
     read_for(master, 10, rest)

@@ -100,7 +100,8 @@ pub(crate) struct Row {
     pub comm: String,
     /// The GPUs NVML lists it on now (`-`: none).
     pub gpus: String,
-    /// GPU busy percent: CUPTI's busy time, else NVML's SM utilization of the process.
+    /// GPU busy percent: CUPTI's busy time, else NVML's SM utilization of the process, else the
+    /// busy fraction its verdict's window measured.
     pub busy: Option<f64>,
     pub launches: Option<f64>,
     /// MB/s (MiB, as the terminal view) by direction: H→D, D→H, D→D, other.
@@ -237,7 +238,14 @@ impl App {
                 let b = prev?.gpu.as_ref().map_or(0, |g0| g0.stats.busy_ns);
                 Some(g.stats.busy_ns.saturating_sub(b) as f64 / (interval_s? * 1e9) * 100.0)
             });
-            let busy = cupti_busy.or_else(|| nv.and_then(|u| u.sm_util_last).map(f64::from));
+            // Else NVML's SM utilization of the process, else what its verdict's window measured
+            // (the GPU's utilization while the process had it to itself: nvml_device).
+            let busy = cupti_busy
+                .or_else(|| nv.and_then(|u| u.sm_util_last).map(f64::from))
+                .or_else(|| {
+                    let e = &input.verdicts.get(&p.pid)?.verdict.evidence;
+                    e.gpu_busy().map(|b| b * 100.0)
+                });
             let pod = pod_of(&mut self.pods, &self.procinfo, p.pid);
             rows.push(Row {
                 pid: p.pid,
