@@ -100,8 +100,8 @@ pub(crate) struct Row {
     pub comm: String,
     /// The GPUs NVML lists it on now (`-`: none).
     pub gpus: String,
-    /// GPU busy percent: CUPTI's busy time, else NVML's SM utilization of the process, else the
-    /// busy fraction its verdict's window measured.
+    /// GPU busy percent: CUPTI's busy time, else the busy fraction its verdict's window measured,
+    /// else NVML's SM utilization of the process.
     pub busy: Option<f64>,
     pub launches: Option<f64>,
     /// MB/s (MiB, as the terminal view) by direction: H→D, D→H, D→D, other.
@@ -238,14 +238,16 @@ impl App {
                 let b = prev?.gpu.as_ref().map_or(0, |g0| g0.stats.busy_ns);
                 Some(g.stats.busy_ns.saturating_sub(b) as f64 / (interval_s? * 1e9) * 100.0)
             });
-            // Else NVML's SM utilization of the process, else what its verdict's window measured
-            // (the GPU's utilization while the process had it to itself: nvml_device).
+            // Else what its verdict's window measured (the verdict's own order: the GPU's
+            // utilization while the process had it to itself, then its SM samples), else
+            // NVML's last SM sample. On the H100 a training step with the GPU 83 % busy had
+            // SM samples of 1 %: the verdict's number is the one the verdict line explains.
             let busy = cupti_busy
-                .or_else(|| nv.and_then(|u| u.sm_util_last).map(f64::from))
                 .or_else(|| {
                     let e = &input.verdicts.get(&p.pid)?.verdict.evidence;
                     e.gpu_busy().map(|b| b * 100.0)
-                });
+                })
+                .or_else(|| nv.and_then(|u| u.sm_util_last).map(f64::from));
             let pod = pod_of(&mut self.pods, &self.procinfo, p.pid);
             rows.push(Row {
                 pid: p.pid,
@@ -642,6 +644,43 @@ mod tests {
             },
         )]);
         (s1, s2, verdicts)
+    }
+
+    #[test]
+    fn gpu_busy_is_cuptis_else_the_verdicts_else_nvmls_sm_sample() {
+        let (s1, s2, mut v) = two_snapshots();
+        let busy = |v: &HashMap<u32, ProcessVerdict>| {
+            let mut a = app(false);
+            feed(&mut a, &s1, 0, v);
+            feed(&mut a, &s2, 0, v);
+            let of = |pid| a.rows.iter().find(|r| r.pid == pid).and_then(|r| r.busy);
+            (of(10).map(f64::round), of(30))
+        };
+        // pid 10 has CUPTI busy time (93 % between the two snapshots); pid 30 only NVML's SM
+        // sample (90 %).
+        assert_eq!(busy(&v), (Some(93.0), Some(90.0)));
+        // CUPTI's own number, whatever the verdict's window says.
+        v.get_mut(&10).unwrap().verdict.evidence.gpu_busy = Some(0.5);
+        assert_eq!(busy(&v).0, Some(93.0));
+        // With a verdict measured from the GPU's utilization (nvml_device), pid 30 shows that.
+        v.insert(
+            30,
+            ProcessVerdict {
+                pid: 30,
+                comm: "x".into(),
+                verdict: Verdict {
+                    class: Class::GpuBound,
+                    secondary: None,
+                    evidence: Evidence {
+                        window_ns: 10 * S,
+                        gpu_busy: Some(0.40),
+                        busy_source: crate::analyze::verdict::BusySource::NvmlDevice,
+                        ..Evidence::default()
+                    },
+                },
+            },
+        );
+        assert_eq!(busy(&v).1, Some(40.0));
     }
 
     fn running(color: bool) -> App {
