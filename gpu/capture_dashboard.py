@@ -9,7 +9,9 @@ usage (root, repo root):
 
 Writes OUT_PREFIX.screen.raw (the stream until `q` was sent: replay it through a terminal
 emulator to see the screen a person saw), OUT_PREFIX.exit.raw (the stream after), and
-OUT_PREFIX.json ({"cols", "rows", "after_s", "observer_rc", "workload_rc"}). The observer
+OUT_PREFIX.json ({"cols", "rows", "after_s", "observer_rc", "workload_rc", "after_ready":
+{"table_s", "gpu_panel_s"}: seconds from the observer's "ready" to the first frame with the
+process table, and with the first GPU's panel}). The observer
 watches every process (its default); the workload starts once the observer says it is ready
 (on its stderr, kept in OUT_PREFIX.err).
 """
@@ -67,10 +69,17 @@ def main():
     screen = bytearray()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        read_for(master, 0.2, screen)
+        read_for(master, 0.05, screen)
         with open(a.prefix + ".err", "rb") as f:
             if b"ready" in f.read():
                 break
+    # How long after "ready" the table, then the GPU panel with NVML data, first appear.
+    ready_at, firsts = time.monotonic(), {}
+    while time.monotonic() - ready_at < 10 and len(firsts) < 2:
+        read_for(master, 0.02, screen)
+        for key, needle in (("table_s", b"LAUNCH/s"), ("gpu_panel_s", b"GPU 0 \xc2\xb7")):
+            if key not in firsts and needle in screen:
+                firsts[key] = round(time.monotonic() - ready_at, 3)
     wl = subprocess.Popen(workload, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if workload else None
     if a.keys:
         read_for(master, max(a.after_s - 2, 0), screen)
@@ -99,8 +108,9 @@ def main():
         f.write(rest)
     with open(a.prefix + ".json", "w") as f:
         json.dump({"cols": a.cols, "rows": a.rows, "after_s": a.after_s, "observer_rc": orc,
-                   "workload_rc": wrc}, f)
-    print(f"capture_dashboard: {len(screen)} bytes until q, {len(rest)} after; observer rc {orc}, workload rc {wrc}")
+                   "workload_rc": wrc, "after_ready": firsts}, f)
+    print(f"capture_dashboard: {len(screen)} bytes until q, {len(rest)} after; observer rc {orc}, "
+          f"workload rc {wrc}; after ready: {firsts}")
     return 0 if orc == 0 else 1
 
 
