@@ -207,6 +207,18 @@ pub enum SyncTarget {
     Other,
 }
 
+impl SyncTarget {
+    /// What was waited for, by kind, and its handle when it has one (the outputs name it so).
+    pub const fn kind_and_handle(self) -> (&'static str, Option<u64>) {
+        match self {
+            SyncTarget::Context => ("context", None),
+            SyncTarget::Stream(h) => ("stream", Some(h)),
+            SyncTarget::Event(h) => ("event", Some(h)),
+            SyncTarget::Other => ("other", None),
+        }
+    }
+}
+
 /// A live allocation.
 #[derive(Clone, Copy, Debug)]
 struct Alloc {

@@ -19,7 +19,6 @@ use super::{
 };
 use crate::{
     analyze::verdict::Verdict,
-    correlate::SyncTarget,
     export::{
         terminal::{arrow, describe_finding, human_bytes, human_ns, human_rate},
         text::printable_cut,
@@ -140,11 +139,9 @@ pub(super) fn lines(row: &Row, v: Option<&Verdict>, nvml: Option<&View>, app: &A
             .iter()
             .take(3)
             .map(|(target, a)| {
-                let what = match target {
-                    SyncTarget::Context => "context".to_string(),
-                    SyncTarget::Stream(h) => format!("stream {h:#x}"),
-                    SyncTarget::Event(h) => format!("event {h:#x}"),
-                    SyncTarget::Other => "other".to_string(),
+                let what = match target.kind_and_handle() {
+                    (kind, Some(h)) => format!("{kind} {h:#x}"),
+                    (kind, None) => kind.to_string(),
                 };
                 format!("{what} {}× {}", a.count, human_ns(a.ns as f64))
             })

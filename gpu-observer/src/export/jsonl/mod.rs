@@ -16,7 +16,7 @@ use crate::{
         verdict::Verdict,
         window::ProcessVerdict,
     },
-    correlate::{CuptiChange, Leak, MemorySample, SyncTarget, cupti_join::GpuActivity},
+    correlate::{CuptiChange, Leak, MemorySample, cupti_join::GpuActivity},
     decode::{Body, Call, Event, HostMemory},
     export::{LeakReport, Sink, Summary},
     nvml::{DeviceInfo, Line, ProcUse},
@@ -592,12 +592,7 @@ impl<W: Write> JsonlWriter<W> {
             s.syncs.ns as f64 / span
         )?;
         for (i, (t, a)) in s.sync_by_target.iter().enumerate() {
-            let (kind, handle) = match t {
-                SyncTarget::Context => ("context", None),
-                SyncTarget::Stream(h) => ("stream", Some(*h)),
-                SyncTarget::Event(h) => ("event", Some(*h)),
-                SyncTarget::Other => ("other", None),
-            };
+            let (kind, handle) = t.kind_and_handle();
             write!(
                 o,
                 "{}{{\"kind\":\"{kind}\",\"handle\":{},\"count\":{},\"duration_ns\":{},\"wall_fraction\":{:.4}}}",
