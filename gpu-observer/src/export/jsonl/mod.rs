@@ -741,9 +741,35 @@ mod tests {
         out.lines().next().map(|l| serde_json::from_str(l).unwrap())
     }
 
+    /// The `anomaly` line of a robust-mode finding about a launch of pid 10, thread 11, at 5 ns.
+    fn anomaly_line(finding: &crate::analyze::anomaly::Finding) -> String {
+        let spec = api::by_id(api::id_of("cuLaunchKernel").unwrap()).unwrap();
+        let ev = Event {
+            ts_ns: 5,
+            pid: 10,
+            tid: 11,
+            comm: *b"train\0\0\0\0\0\0\0\0\0\0\0",
+            api: Some(spec),
+            body: Body::Call(Call::returned(spec, 1_000)),
+        };
+        let mut w = JsonlWriter::new(Vec::new(), 100_000, false);
+        w.anomaly(&crate::export::AnomalyLine {
+            ts_ns: 5,
+            pid: 10,
+            tid: 11,
+            comm: &ev.comm,
+            finding,
+            mode: crate::analyze::anomaly::Mode::Robust,
+            flagged: crate::export::Flagged::Event(&ev),
+            last: true,
+        })
+        .unwrap();
+        String::from_utf8(w.out).unwrap()
+    }
+
     #[test]
     fn an_anomaly_line_carries_a_hostile_kernel_name_escaped_and_whole() {
-        use crate::analyze::anomaly::{Finding, Mode, What};
+        use crate::analyze::anomaly::{Finding, What};
         // Quotes, a backslash, a newline, a terminal escape and 4 KiB: the line stays one line
         // of JSON with no raw control byte, and the name comes back exactly.
         let name = format!("k\"\\\n\x1b[31mred\x07{}", "x".repeat(4096));
@@ -757,28 +783,7 @@ mod tests {
             typical: 2_000.0,
             deviation: 115.13,
         };
-        let spec = api::by_id(api::id_of("cuLaunchKernel").unwrap()).unwrap();
-        let ev = Event {
-            ts_ns: 5,
-            pid: 10,
-            tid: 11,
-            comm: *b"train\0\0\0\0\0\0\0\0\0\0\0",
-            api: Some(spec),
-            body: Body::Call(Call::returned(spec, 1)),
-        };
-        let mut w = JsonlWriter::new(Vec::new(), 100_000, false);
-        w.anomaly(&crate::export::AnomalyLine {
-            ts_ns: 5,
-            pid: 10,
-            tid: 11,
-            comm: &ev.comm,
-            finding: &finding,
-            mode: Mode::Robust,
-            flagged: crate::export::Flagged::Event(&ev),
-            last: true,
-        })
-        .unwrap();
-        let out = String::from_utf8(w.out).unwrap();
+        let out = anomaly_line(&finding);
         assert_eq!(out.matches('\n').count(), 1, "one line");
         assert!(!out.bytes().any(|b| b < 0x20 && b != b'\n'), "no raw control byte");
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();
@@ -821,31 +826,9 @@ mod tests {
 
     #[test]
     fn an_anomaly_line_says_what_against_what() {
-        let f = kernel_finding();
         // The line is the finding's: what was flagged only matters to OTLP.
-        let spec = api::by_id(api::id_of("cuLaunchKernel").unwrap()).unwrap();
-        let ev = Event {
-            ts_ns: 5,
-            pid: 10,
-            tid: 11,
-            comm: *b"train\0\0\0\0\0\0\0\0\0\0\0",
-            api: Some(spec),
-            body: Body::Call(Call::returned(spec, 1_000)),
-        };
-        let mut w = JsonlWriter::new(Vec::new(), 100_000, false);
-        w.anomaly(&crate::export::AnomalyLine {
-            ts_ns: 5,
-            pid: 10,
-            tid: 11,
-            comm: &ev.comm,
-            finding: &f,
-            mode: crate::analyze::anomaly::Mode::Robust,
-            flagged: crate::export::Flagged::Event(&ev),
-            last: true,
-        })
-        .unwrap();
         assert_eq!(
-            String::from_utf8(w.out).unwrap(),
+            anomaly_line(&kernel_finding()),
             concat!(
                 r#"{"type":"anomaly","ts_ns":5,"pid":10,"tid":11,"comm":"train","what":"kernel","#,
                 r#""key":"gemm\u001b[2J","grid":[20, 1, 1],"block":[32, 1, 1],"observed":20000.0,"#,
