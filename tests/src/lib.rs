@@ -126,6 +126,20 @@ pub fn wait_output_line(out: &Path, pred: impl Fn(&Value) -> bool, timeout: Dura
 }
 
 /// The agent, writing JSON lines to a file.
+
+/// The observer with `args` (one shell line) on a terminal of its own: script(1) gives it a
+/// pseudo-terminal and copies what it draws to the child's stdout (piped).
+pub fn observer_on_script_pty(args: &str) -> Child {
+    let cmdline = format!("{} {args}", observer_bin().display());
+    Command::new("script")
+        .args(["-qfec", &cmdline, "/dev/null"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("script(1)")
+}
+
 pub struct Agent {
     child: Child,
     stderr: Arc<Mutex<Vec<String>>>,

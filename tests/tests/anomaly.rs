@@ -6,7 +6,6 @@
 
 use std::{
     io::Read,
-    process::{Command, Stdio},
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
@@ -167,17 +166,7 @@ fn the_terminal_marks_the_process_and_shows_its_anomaly_with_a_hostile_name_esca
     w.cmd(&format!("load {}", lib.display()));
     let pid = w.pid;
     // `--format terminal`: on a terminal the default is the dashboard (issue 15).
-    let cmdline = format!(
-        "{} --format terminal --pid {pid} --no-nvml --interval-ms 100",
-        observer_bin().display()
-    );
-    let mut live = Command::new("script")
-        .args(["-qfec", &cmdline, "/dev/null"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("script(1)");
+    let mut live = observer_on_script_pty(&format!("--format terminal --pid {pid} --no-nvml --interval-ms 100"));
     let screen: Arc<Mutex<Vec<u8>>> = Arc::default();
     let reader = {
         let (screen, mut out) = (screen.clone(), live.stdout.take().unwrap());

@@ -13,7 +13,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use gpu_observer_tests::{Workload, collect_lines, fixtures, fresh_lib, observer_bin, require_root, scratch, serial};
+use gpu_observer_tests::{
+    Workload, collect_lines, fixtures, fresh_lib, observer_bin, observer_on_script_pty, require_root, scratch, serial,
+};
 
 /// An observer started with the caller's stdout, its stderr collected line by line.
 struct Observer {
@@ -496,17 +498,9 @@ fn control_characters_from_observed_processes_never_reach_the_terminal() {
     // The live view, on a terminal (script(1) gives the observer a pty); the plain one (on a
     // terminal the default is the dashboard).
     let summary = dir.join("summary.txt");
-    let cmdline = format!(
-        "{} --format terminal --pid {pid} --no-nvml --interval-ms 100 --duration 3",
-        observer_bin().display()
-    );
-    let mut live = Command::new("script")
-        .args(["-qfec", &cmdline, "/dev/null"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("script(1)");
+    let mut live = observer_on_script_pty(&format!(
+        "--format terminal --pid {pid} --no-nvml --interval-ms 100 --duration 3"
+    ));
     std::thread::sleep(Duration::from_millis(1500));
     writeln!(py_in, "go").unwrap();
     line.clear();
