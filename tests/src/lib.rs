@@ -125,8 +125,6 @@ pub fn wait_output_line(out: &Path, pred: impl Fn(&Value) -> bool, timeout: Dura
     }
 }
 
-/// The agent, writing JSON lines to a file.
-
 /// The observer with `args` (one shell line) on a terminal of its own: script(1) gives it a
 /// pseudo-terminal and copies what it draws to the child's stdout (piped).
 pub fn observer_on_script_pty(args: &str) -> Child {
@@ -140,6 +138,7 @@ pub fn observer_on_script_pty(args: &str) -> Child {
         .expect("script(1)")
 }
 
+/// The agent, writing JSON lines to a file.
 pub struct Agent {
     child: Child,
     stderr: Arc<Mutex<Vec<String>>>,
