@@ -660,17 +660,30 @@ proptest! {
 }
 
 fn call(name: &str, pid: u32, ts_ns: u64, args: [u64; 6], out: [u64; 2]) -> Vec<u8> {
+    timed_call(name, pid, ts_ns, args, out, 1000, *b"flood\0\0\0\0\0\0\0\0\0\0\0")
+}
+
+/// A call of `name` by pid (its main thread) that returned success after `duration_ns`.
+fn timed_call(
+    name: &str,
+    pid: u32,
+    ts_ns: u64,
+    args: [u64; 6],
+    out: [u64; 2],
+    duration_ns: u64,
+    comm: [u8; 16],
+) -> Vec<u8> {
     let hdr = Hdr {
         api: api::id_of(name).unwrap(),
         pid,
         tid: pid,
         ts_ns,
-        comm: *b"flood\0\0\0\0\0\0\0\0\0\0\0",
+        comm,
     };
     let fields = CallFields {
         args,
         out,
-        duration_ns: 1000,
+        duration_ns,
         ioctl_ns: 0,
         ioctl_count: 0,
         result: 0,
@@ -802,25 +815,15 @@ fn flagging(records: &[Vec<u8>]) -> (Pipeline, Arc<Mutex<Vec<FlagLine>>>) {
 #[test]
 fn anomaly_lines_point_at_the_flagged_call_and_mark_its_last_finding() {
     let timed = |name: &str, ts_ns: u64, args: [u64; 6], duration_ns: u64| {
-        let hdr = Hdr {
-            api: api::id_of(name).unwrap(),
-            pid: 1,
-            tid: 1,
+        timed_call(
+            name,
+            1,
             ts_ns,
-            comm: *b"steady\0\0\0\0\0\0\0\0\0\0",
-        };
-        let call = CallFields {
             args,
-            out: [0; 2],
+            [0; 2],
             duration_ns,
-            ioctl_ns: 0,
-            ioctl_count: 0,
-            result: 0,
-            nested: 0,
-            read_errors: 0,
-            abandoned: false,
-        };
-        Rec::Call { hdr, call }.encode()
+            *b"steady\0\0\0\0\0\0\0\0\0\0",
+        )
     };
     let copy = |ts_ns, duration_ns| {
         timed(
