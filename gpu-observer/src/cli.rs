@@ -43,6 +43,24 @@ pub struct Cli {
     #[arg(long, short = 'o', global = true)]
     pub output: Option<PathBuf>,
 
+    /// Also write a Perfetto trace (open it in ui.perfetto.dev) to this file, as events come:
+    /// CUDA calls and their ioctls per thread, GPU work per stream with a flow from each launch
+    /// (`run`), NVTX ranges, NVML counters, verdicts and anomalies.
+    #[arg(long, value_name = "FILE", global = true)]
+    pub perfetto: Option<PathBuf>,
+
+    /// Largest --perfetto trace, in MB (1 to 1 048 576); what comes after is left out and
+    /// counted.
+    #[arg(long, value_name = "MB", default_value_t = 1024,
+          value_parser = clap::value_parser!(u64).range(1..=1_048_576), global = true)]
+    pub perfetto_max_mb: u64,
+
+    /// Write kernel flamegraph stacks (process;thread;NVTX ranges…;API;kernel) to this file
+    /// at the end, weighted by GPU time (`run`) or else by launches: folded text, or an SVG
+    /// when FILE ends in `.svg`.
+    #[arg(long, value_name = "FILE", global = true)]
+    pub flamegraph: Option<PathBuf>,
+
     /// Size of the eBPF ring buffer in bytes (a power of two from 4096 to 1 GiB). Raise it if
     /// the summary reports dropped events.
     #[arg(long, default_value_t = limits::DEFAULT_RING_BYTES, value_parser = parse_ring_size, global = true)]

@@ -23,7 +23,7 @@ use crate::{
         window::ProcessVerdict,
     },
     clock::monotonic_ns,
-    correlate::{Correlator, CuptiChange, cupti_join::GpuActivity},
+    correlate::{Correlator, CuptiChange, cupti_join::GpuActivity, nvtx::NvtxRange},
     decode::{Body, Event, decode},
     export::{AnomalyLine, LeakReport, Sink},
     nvml::{self, Hub, LineReceiver},
@@ -74,6 +74,7 @@ pub struct Pipeline {
     exited: Vec<u32>,
     gpu: Vec<GpuActivity>,
     changes: Vec<CuptiChange>,
+    nvtx: Vec<NvtxRange>,
     detector: Detector,
     findings: Vec<(anomaly::Source, Finding)>,
     decode_errors: u64,
@@ -104,6 +105,7 @@ impl Pipeline {
             exited: Vec::new(),
             gpu: Vec::new(),
             changes: Vec::new(),
+            nvtx: Vec::new(),
             detector: Detector::new(anomalies),
             findings: Vec::new(),
             decode_errors: 0,
@@ -137,6 +139,7 @@ impl Pipeline {
         }
         std::mem::swap(&mut self.gpu, &mut corr.gpu_out);
         std::mem::swap(&mut self.changes, &mut corr.cupti_changes);
+        std::mem::swap(&mut self.nvtx, &mut corr.nvtx_out);
         self.detector.batch(&mut self.batch, &mut self.gpu, &mut self.findings);
         note_findings(&mut self.publisher, &self.batch, &self.gpu, &self.findings);
         let mode = self.detector.config().mode;
@@ -151,6 +154,9 @@ impl Pipeline {
                 }
                 for a in &self.gpu {
                     s.gpu(a)?;
+                }
+                for r in &self.nvtx {
+                    s.nvtx(r)?;
                 }
                 write_findings(&mut **s, &self.batch, &self.gpu, &self.findings, mode)?;
                 // A process that exited: what it never freed.
@@ -170,6 +176,7 @@ impl Pipeline {
             .with_context(|| failed(&**s))?;
         }
         self.changes.clear();
+        self.nvtx.clear();
         self.findings.clear();
         self.exited.clear();
         self.batch.clear();
@@ -393,7 +400,7 @@ impl Recording {
     /// other users' files in shared directories).
     pub fn create(path: &std::path::Path) -> Result<Self> {
         use std::io::Write as _;
-        let mut out = std::io::BufWriter::with_capacity(1 << 16, crate::export::output::create(path)?);
+        let mut out = std::io::BufWriter::with_capacity(1 << 16, crate::export::output::create("--record-ring", path)?);
         out.write_all(RECORDING_MAGIC)?;
         Ok(Self {
             out,

@@ -47,6 +47,12 @@ pub enum GpuRecordKind {
     /// call the uprobes saw happened inside it. CUPTI gives work launched through the runtime
     /// the runtime call's correlation id, and records no driver API call for it.
     RuntimeApi = 7,
+    /// An NVTX marker CUPTI recorded (the injection library is the process's NVTX tool):
+    /// `start_ns` its time, `correlation_id` the marker id (a range's start and end share it),
+    /// `cbid` CUPTI's marker flags ([`marker`]), `tid` the thread (0 when CUPTI names none),
+    /// `src_kind` CUPTI's object kind, `name_key` the key its name was sent under (0 for an
+    /// end, which has none).
+    Marker = 8,
 }
 
 impl GpuRecordKind {
@@ -59,6 +65,7 @@ impl GpuRecordKind {
             5 => Self::Device,
             6 => Self::Status,
             7 => Self::RuntimeApi,
+            8 => Self::Marker,
             _ => return None,
         })
     }
@@ -105,6 +112,24 @@ pub struct GpuRecord {
     pub aux: [u64; 8],
 }
 
+/// What a Marker record is (`CUpti_ActivityFlag`'s marker bits, cupti_activity.h).
+pub mod marker {
+    /// A point in time (`nvtxMark`).
+    pub const INSTANTANEOUS: u32 = 1 << 0;
+    /// A range began (`nvtxRangePush`, `nvtxRangeStart`).
+    pub const START: u32 = 1 << 1;
+    /// A range ended (`nvtxRangePop`, `nvtxRangeEnd`).
+    pub const END: u32 = 1 << 2;
+    /// `CUPTI_ACTIVITY_OBJECT_THREAD`: the marker belongs to thread `tid`.
+    pub const OBJECT_THREAD: u16 = 2;
+    /// Name keys of markers have this bit set: they never collide with a kernel name's key
+    /// (CUPTI's pointer, a user-space address). The rest is the marker id.
+    pub const NAME_KEY_BIT: u64 = 1 << 63;
+    /// Separates a marker's NVTX domain from its name in the string sent with the key (a
+    /// default-domain marker has none).
+    pub const DOMAIN_SEPARATOR: u8 = 0x1f;
+}
+
 /// Slots of [`GpuRecord::aux`] in a Device record (from `cuDeviceGetAttribute`).
 pub mod device_aux {
     pub const SM_COUNT: usize = 0;
@@ -120,6 +145,7 @@ pub mod device_aux {
 }
 
 /// Slots of [`GpuRecord::aux`] in a Status record. Counters are cumulative for the process.
+/// A Status record's `cbid` is the process's [`NvtxState`].
 pub mod status_aux {
     /// A [`super::CuptiState`].
     pub const STATE: usize = 0;
@@ -164,6 +190,30 @@ impl CuptiState {
             3 => Self::NoCupti,
             4 => Self::Failed,
             5 => Self::Idle,
+            _ => return None,
+        })
+    }
+}
+
+/// Whether the process's NVTX calls reach CUPTI (the injection library is its NVTX tool).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum NvtxState {
+    /// No NVTX call has initialized NVTX with this library yet (the process may use none, or
+    /// `NVTX_INJECTION64_PATH` names another tool).
+    NotLoaded = 0,
+    /// NVTX hands its calls to CUPTI: ranges and marks are recorded while observed.
+    Active = 1,
+    /// CUPTI could not be the NVTX tool (no libcupti, or it refused): NVTX calls do nothing.
+    Failed = 2,
+}
+
+impl NvtxState {
+    pub fn from_u32(v: u32) -> Option<Self> {
+        Some(match v {
+            0 => Self::NotLoaded,
+            1 => Self::Active,
+            2 => Self::Failed,
             _ => return None,
         })
     }

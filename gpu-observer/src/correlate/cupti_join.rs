@@ -238,6 +238,9 @@ pub struct GpuActivity {
     pub sm_count: Option<u32>,
     /// The anomaly detector flagged it (analyze/anomaly.rs): always written, never sampled out.
     pub anomalous: bool,
+    /// The NVTX ranges open on the launching thread at launch, outermost first (a joined
+    /// kernel, copy or memset of a process whose NVTX calls reach CUPTI).
+    pub nvtx: Option<super::nvtx::NvtxStack>,
 }
 
 impl GpuActivity {
@@ -465,6 +468,8 @@ impl GpuState {
                 self.api(rec, pid, comm, out, pool);
                 None
             }
+            // Paired by the NVTX state (nvtx.rs), not joined here.
+            GpuRecordKind::Marker => None,
             GpuRecordKind::Kernel | GpuRecordKind::Memcpy | GpuRecordKind::Memset => {
                 // Busy time as CUPTI delivers the records (nearly in time order), not as they
                 // are joined: a record waits for its API record, which can come a buffer later.
@@ -734,6 +739,7 @@ impl GpuState {
             occupancy,
             sm_count,
             anomalous: false,
+            nvtx: None,
         });
     }
 }

@@ -22,6 +22,7 @@ use crate::{
 
 mod busy;
 pub mod cupti_join;
+pub mod nvtx;
 
 use cupti_join::{GpuActivity, GpuState, Pool, Recent, Status};
 
@@ -533,6 +534,8 @@ pub struct Correlator {
     pub gpu_out: Vec<GpuActivity>,
     /// CUPTI state changes since the last drain.
     pub cupti_changes: Vec<CuptiChange>,
+    /// NVTX ranges and marks finished since the last drain.
+    pub nvtx_out: Vec<nvtx::NvtxRange>,
     lookup: Box<dyn Lookup>,
 }
 
@@ -553,6 +556,7 @@ impl Correlator {
             exited_order: VecDeque::new(),
             gpu_out: Vec::new(),
             cupti_changes: Vec::new(),
+            nvtx_out: Vec::new(),
             lookup: Box::new(NoLookup),
         }
     }

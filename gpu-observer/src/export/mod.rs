@@ -4,8 +4,10 @@
 pub mod attributes;
 pub mod dashboard;
 pub mod devices;
+pub mod flamegraph;
 pub mod jsonl;
 pub mod otlp;
+pub mod perfetto;
 
 pub mod output;
 pub mod terminal;

@@ -1,4 +1,5 @@
-//! Opening `--output` as root without being steered by other users' links and files.
+//! Opening an output file (`--output`, `--perfetto`, `--flamegraph`, `--record-ring`) as root
+//! without being steered by other users' links and files.
 //!
 //! The observer runs as root and `--output` often points into a sticky, world-writable
 //! directory such as /tmp, where any user can plant a symlink (to /etc/shadow, say) or a file
@@ -21,11 +22,12 @@ use anyhow::{Context, Result, bail};
 /// Mode of a file the observer creates.
 pub const MODE: u32 = 0o600;
 
-/// Opens (creating or truncating) `path` for writing, refusing what a hostile user planted.
-pub fn create(path: &Path) -> Result<File> {
+/// Opens (creating or truncating) `path` for writing, refusing what a hostile user planted;
+/// `flag` names the option it came from in messages (`--output`).
+pub fn create(flag: &str, path: &Path) -> Result<File> {
     let dir = parent_of(path);
     let dir_meta =
-        std::fs::metadata(&dir).with_context(|| format!("--output {}: directory {}", path.display(), dir.display()))?;
+        std::fs::metadata(&dir).with_context(|| format!("{flag} {}: directory {}", path.display(), dir.display()))?;
     let shared = dir_meta.mode() & 0o1002 == 0o1002; // sticky and world-writable
     // SAFETY: geteuid has no preconditions.
     let me = unsafe { libc::geteuid() };
@@ -34,7 +36,7 @@ pub fn create(path: &Path) -> Result<File> {
         Ok(m) if m.file_type().is_symlink() => {
             if shared && !trusted(m.uid()) {
                 bail!(
-                    "--output {}: refusing to follow a symlink owned by uid {} in the sticky world-writable directory {} (it could point anywhere root can write); remove it or choose another path",
+                    "{flag} {}: refusing to follow a symlink owned by uid {} in the sticky world-writable directory {} (it could point anywhere root can write); remove it or choose another path",
                     path.display(),
                     m.uid(),
                     dir.display()
@@ -43,7 +45,7 @@ pub fn create(path: &Path) -> Result<File> {
             true
         }
         Ok(m) => {
-            refuse_foreign(path, &dir, shared && !trusted(m.uid()), m.uid())?;
+            refuse_foreign(flag, path, &dir, shared && !trusted(m.uid()), m.uid())?;
             false
         }
         Err(_) => false,
@@ -56,32 +58,30 @@ pub fn create(path: &Path) -> Result<File> {
         .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC | if follow { 0 } else { libc::O_NOFOLLOW });
     let file = opts.open(path).map_err(|e| match e.raw_os_error() {
         Some(libc::ELOOP) => anyhow::anyhow!(
-            "--output {}: it became a symlink while being opened; refused",
+            "{flag} {}: it became a symlink while being opened; refused",
             path.display()
         ),
         Some(libc::ENXIO) => anyhow::anyhow!(
-            "--output {}: a FIFO with no reader; start the reader first",
+            "{flag} {}: a FIFO with no reader; start the reader first",
             path.display()
         ),
-        _ => anyhow::Error::new(e).context(format!("cannot create --output {}", path.display())),
+        _ => anyhow::Error::new(e).context(format!("cannot create {flag} {}", path.display())),
     })?;
-    let m = file
-        .metadata()
-        .with_context(|| format!("--output {}", path.display()))?;
+    let m = file.metadata().with_context(|| format!("{flag} {}", path.display()))?;
     // Again on what was opened: the file may have been planted after the look above.
-    refuse_foreign(path, &dir, shared && !follow && !trusted(m.uid()), m.uid())?;
+    refuse_foreign(flag, path, &dir, shared && !follow && !trusted(m.uid()), m.uid())?;
     if m.file_type().is_file() {
         file.set_len(0)
-            .with_context(|| format!("cannot truncate --output {}", path.display()))?;
+            .with_context(|| format!("cannot truncate {flag} {}", path.display()))?;
     }
-    clear_nonblock(&file).with_context(|| format!("--output {}", path.display()))?;
+    clear_nonblock(&file).with_context(|| format!("{flag} {}", path.display()))?;
     Ok(file)
 }
 
-fn refuse_foreign(path: &Path, dir: &Path, foreign: bool, uid: u32) -> Result<()> {
+fn refuse_foreign(flag: &str, path: &Path, dir: &Path, foreign: bool, uid: u32) -> Result<()> {
     if foreign {
         bail!(
-            "--output {}: refusing to write to a file owned by uid {uid} in the sticky world-writable directory {}; remove it or choose another path",
+            "{flag} {}: refusing to write to a file owned by uid {uid} in the sticky world-writable directory {}; remove it or choose another path",
             path.display(),
             dir.display()
         );
@@ -126,10 +126,10 @@ mod tests {
         let p = d.join("out.jsonl");
         std::fs::write(&p, "old contents").unwrap();
         std::fs::remove_file(&p).unwrap();
-        drop(create(&p).unwrap());
+        drop(create("--output", &p).unwrap());
         assert_eq!(std::fs::metadata(&p).unwrap().mode() & 0o777, MODE);
         std::fs::write(&p, "old contents").unwrap();
-        drop(create(&p).unwrap());
+        drop(create("--output", &p).unwrap());
         assert_eq!(std::fs::read(&p).unwrap().len(), 0);
         let _ = std::fs::remove_dir_all(&d);
     }
@@ -140,7 +140,7 @@ mod tests {
         let target = d.join("target");
         std::fs::write(&target, "x").unwrap();
         std::os::unix::fs::symlink(&target, d.join("link")).unwrap();
-        drop(create(&d.join("link")).unwrap());
+        drop(create("--output", &d.join("link")).unwrap());
         assert_eq!(std::fs::read(&target).unwrap().len(), 0);
         let _ = std::fs::remove_dir_all(&d);
     }

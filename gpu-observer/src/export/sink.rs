@@ -13,7 +13,7 @@ use anyhow::Result;
 use crate::{
     analyze::window::ProcessVerdict,
     attach::Drops,
-    correlate::{CuptiChange, Leak, MemorySample, cupti_join::GpuActivity},
+    correlate::{CuptiChange, Leak, MemorySample, cupti_join::GpuActivity, nvtx::NvtxRange},
     decode::Event,
     nvml::{DeviceInfo, Line},
     snapshot::Snapshot,
@@ -91,6 +91,12 @@ pub trait Sink: Send {
 
     /// A process's bottleneck verdict over its last window.
     fn verdict(&mut self, _ts_ns: u64, _v: &ProcessVerdict) -> Result<()> {
+        Ok(())
+    }
+
+    /// An NVTX range that ended, a mark, or a range still open when its process exited or the
+    /// run ended (after the batch's GPU records).
+    fn nvtx(&mut self, _r: &NvtxRange) -> Result<()> {
         Ok(())
     }
 

@@ -126,6 +126,16 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
         }
         Format::Dashboard | Format::Terminal | Format::Json | Format::None => Some(writer),
     };
+    // The timeline and the flamegraph: files of their own, alongside any format.
+    if let Some(p) = &cli.perfetto {
+        sinks.push(Box::new(export::perfetto::PerfettoSink::create(
+            p,
+            cli.perfetto_max_mb << 20,
+        )?));
+    }
+    if let Some(p) = &cli.flamegraph {
+        sinks.push(Box::new(export::flamegraph::FlamegraphSink::create(p)?));
+    }
     let nvml_interval = Duration::from_millis(cli.nvml_interval_ms);
     let hub = nvml::Hub::new(
         if cli.no_nvml {
@@ -291,7 +301,10 @@ async fn start_otlp(
 fn open_output(path: Option<&Path>) -> Result<(Box<dyn Write + Send>, String)> {
     Ok(match path {
         Some(p) => (
-            Box::new(BufWriter::with_capacity(1 << 16, export::output::create(p)?)),
+            Box::new(BufWriter::with_capacity(
+                1 << 16,
+                export::output::create("--output", p)?,
+            )),
             export::text::printable(&p.display().to_string()),
         ),
         None => (

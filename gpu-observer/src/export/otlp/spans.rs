@@ -898,6 +898,7 @@ mod tests {
             kernel: Some(Arc::new(KernelName::new("steady_kernel"))),
             occupancy: None,
             sm_count: None,
+            nvtx: None,
             anomalous,
         };
         // A graph launch: two kernels of one correlation id, the second flagged.
