@@ -3,7 +3,7 @@
 
 use crate::{
     api::{Direction, MemKind},
-    cupti::CuptiState,
+    cupti::{CuptiState, NvtxState},
     event::EventKind,
 };
 
@@ -98,6 +98,30 @@ impl CuptiState {
             Some(CuptiState::Failed) => "CUPTI could not be set up: observed with uprobes only",
             Some(CuptiState::Idle) => "CUPTI collection stopped",
             None => "unknown CUPTI state",
+        }
+    }
+}
+
+impl NvtxState {
+    /// The state's name; `None` (no status record yet) is `unknown`.
+    pub const fn name_of(s: Option<NvtxState>) -> &'static str {
+        match s {
+            Some(NvtxState::NotLoaded) => "not_loaded",
+            Some(NvtxState::Active) => "active",
+            Some(NvtxState::Failed) => "failed",
+            None => "unknown",
+        }
+    }
+
+    /// What the user should know about a state.
+    pub const fn message_of(s: Option<NvtxState>) -> &'static str {
+        match s {
+            Some(NvtxState::NotLoaded) => {
+                "no NVTX call reached gpu-observer's NVTX tool (the program made none yet, or NVTX_INJECTION64_PATH names another tool)"
+            }
+            Some(NvtxState::Active) => "NVTX ranges are recorded through CUPTI",
+            Some(NvtxState::Failed) => "CUPTI could not be the NVTX tool: NVTX ranges are not recorded",
+            None => "NVTX ranges need `gpu-observer run` (the injection library is the NVTX tool)",
         }
     }
 }

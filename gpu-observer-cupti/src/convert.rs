@@ -1,7 +1,8 @@
 //! CUPTI activity records → [`GpuRecord`]s.
 //!
 //! Fields are read at the offsets of CUPTI's structs (`CUpti_ActivityAPI`,
-//! `CUpti_ActivityKernel4`..`10`, `CUpti_ActivityMemcpy6`, `CUpti_ActivityMemset4`): every
+//! `CUpti_ActivityKernel4`..`10`, `CUpti_ActivityMemcpy6`, `CUpti_ActivityMemset4`,
+//! `CUpti_ActivityMarker2`): every
 //! version of a record keeps the fields read here at the same place, so one reader serves the
 //! CUPTI of CUDA 12 and 13 alike. Offsets were measured with `offsetof` against CUDA 13.0's
 //! `cupti_activity.h`.
@@ -16,6 +17,7 @@ pub mod kind {
     pub const DRIVER: u32 = 4;
     pub const RUNTIME: u32 = 5;
     pub const CONCURRENT_KERNEL: u32 = 10;
+    pub const MARKER: u32 = 12;
 }
 
 /// Bytes of each record kind read here (the smallest version's size; a read never goes past it).
@@ -25,6 +27,7 @@ pub fn readable_len(kind_value: u32) -> usize {
         kind::KERNEL | kind::CONCURRENT_KERNEL => 160,
         kind::MEMCPY => 76,
         kind::MEMSET => 76,
+        kind::MARKER => 56,
         _ => 4,
     }
 }
@@ -71,6 +74,9 @@ pub enum Converted {
     Record(GpuRecord),
     /// A kernel record and the name it carries (CUPTI's pointer, the key of the name).
     Kernel(GpuRecord, u64),
+    /// An NVTX marker and the pointers to its name and domain (NULL when it has none);
+    /// valid while CUPTI's buffer is.
+    Marker(GpuRecord, u64, u64),
     /// A record of a kind or API we do not forward.
     Skip,
 }
@@ -136,6 +142,32 @@ pub fn convert(r: &[u8]) -> Converted {
             dst_kind: u16_at(r, 50),
             ..transfer(r, GpuRecordKind::Memset)
         }),
+        kind::MARKER => {
+            let object_kind = u32_at(r, 20);
+            let id = u32_at(r, 16);
+            let name = u64_at(r, 40);
+            let rec = GpuRecord {
+                kind: GpuRecordKind::Marker as u32,
+                cbid: u32_at(r, 4),
+                start_ns: u64_at(r, 8),
+                correlation_id: id,
+                src_kind: object_kind.min(u32::from(u16::MAX)) as u16,
+                // A thread's marker names its thread (objectId.pt.threadId); a device's
+                // marker its device, context and stream (objectId.dcs).
+                tid: if object_kind == u32::from(cupti::marker::OBJECT_THREAD) {
+                    u32_at(r, 28)
+                } else {
+                    0
+                },
+                name_key: if name != 0 {
+                    cupti::marker::NAME_KEY_BIT | u64::from(id)
+                } else {
+                    0
+                },
+                ..Default::default()
+            };
+            Converted::Marker(rec, name, u64_at(r, 48))
+        }
         _ => Converted::Skip,
     }
 }
@@ -253,5 +285,37 @@ mod tests {
         assert_eq!(convert(&[1, 0]), Converted::Skip);
         assert_eq!(convert(&kind::CONCURRENT_KERNEL.to_ne_bytes()), Converted::Skip);
         assert_eq!(convert(&[99, 0, 0, 0, 0, 0, 0, 0]), Converted::Skip);
+    }
+
+    #[test]
+    fn marker_records_name_their_thread_and_name_key() {
+        let mut r = [0u8; 56];
+        put(&mut r, 0, kind::MARKER.to_ne_bytes());
+        put(&mut r, 4, 2u32.to_ne_bytes()); // start
+        put(&mut r, 8, 9_000u64.to_ne_bytes());
+        put(&mut r, 16, 77u32.to_ne_bytes());
+        put(&mut r, 20, 2u32.to_ne_bytes()); // thread
+        put(&mut r, 24, 500u32.to_ne_bytes());
+        put(&mut r, 28, 501u32.to_ne_bytes());
+        put(&mut r, 40, 0x1000u64.to_ne_bytes());
+        put(&mut r, 48, 0x2000u64.to_ne_bytes());
+        let Converted::Marker(g, name, domain) = convert(&r) else {
+            panic!()
+        };
+        assert_eq!((name, domain), (0x1000, 0x2000));
+        assert_eq!(
+            (g.kind, g.cbid, g.start_ns, g.correlation_id, g.tid, g.src_kind),
+            (GpuRecordKind::Marker as u32, 2, 9_000, 77, 501, 2)
+        );
+        assert_eq!(g.name_key, cupti::marker::NAME_KEY_BIT | 77);
+        // An end has no name; a marker of another object names no thread.
+        put(&mut r, 40, 0u64.to_ne_bytes());
+        put(&mut r, 20, 5u32.to_ne_bytes());
+        let Converted::Marker(g, 0, _) = convert(&r) else {
+            panic!()
+        };
+        assert_eq!((g.name_key, g.tid, g.src_kind), (0, 0, 5));
+        // A record cut short is skipped, never read past.
+        assert_eq!(convert(&r[..55]), Converted::Skip);
     }
 }

@@ -21,6 +21,10 @@ pub const FLUSH_FORCED: u32 = 1;
 pub type BufferRequested = extern "C" fn(*mut *mut u8, *mut usize, *mut usize);
 pub type BufferCompleted = extern "C" fn(*mut c_void, u32, *mut u8, usize, usize);
 pub type TimestampFn = extern "C" fn() -> u64;
+/// NVTX's export-table getter (`NvtxGetExportTableFunc_t`).
+pub type NvtxGetExportTable = unsafe extern "C" fn(u32) -> *const c_void;
+/// `NvtxInitializeInjectionNvtxFunc_t`: returns 0 when the tool cannot take NVTX's calls.
+pub type NvtxInit = unsafe extern "C" fn(Option<NvtxGetExportTable>) -> c_int;
 
 /// The resolved entry points. The library handle is kept for the life of the process.
 pub struct Cupti {
@@ -36,6 +40,8 @@ pub struct Cupti {
     /// Per-API activity records (CUDA 12.?+): only the calls that launch GPU work.
     pub enable_driver_api: Option<unsafe extern "C" fn(u32, u8) -> CuptiResult>,
     pub enable_runtime_api: Option<unsafe extern "C" fn(u32, u8) -> CuptiResult>,
+    /// CUPTI as the process's NVTX tool (`InitializeInjectionNvtx2`, nvtxTypes.h).
+    pub nvtx_init: Option<NvtxInit>,
     result_string: Option<unsafe extern "C" fn(CuptiResult, *mut *const c_char) -> CuptiResult>,
 }
 
@@ -93,6 +99,9 @@ impl Cupti {
             enable_driver_api: unsafe { lib.get(b"cuptiActivityEnableDriverApi\0") }.ok().map(|s| *s),
             // SAFETY: as above.
             enable_runtime_api: unsafe { lib.get(b"cuptiActivityEnableRuntimeApi\0") }.ok().map(|s| *s),
+            // SAFETY: NVTX's injection entry point, with this signature in nvtxTypes.h; CUPTI
+            // exports it to be the NVTX tool.
+            nvtx_init: unsafe { lib.get(b"InitializeInjectionNvtx2\0") }.ok().map(|s| *s),
             _lib: lib,
         })
     }

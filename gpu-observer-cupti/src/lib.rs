@@ -28,12 +28,14 @@ use std::{
     panic::{AssertUnwindSafe, catch_unwind},
     sync::{
         Mutex, OnceLock,
-        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
+        atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed},
     },
     time::{Duration, Instant},
 };
 
-use gpu_observer_common::cupti::{CuptiState, GpuRecord, GpuRecordKind, MAX_BATCH, device_aux, status_aux};
+use gpu_observer_common::cupti::{
+    CuptiState, GpuRecord, GpuRecordKind, MAX_BATCH, NvtxState, device_aux, marker, status_aux,
+};
 
 use crate::{
     convert::{Converted, kind},
@@ -143,6 +145,10 @@ struct Injection {
     names_sent: Mutex<HashSet<u64>>,
     /// The device table reached the current observer (kernel records need it for occupancy).
     devices_sent: AtomicBool,
+    /// Whether NVTX hands its calls to CUPTI (an [`NvtxState`]).
+    nvtx: AtomicU32,
+    /// CUPTI records NVTX markers now (enabled with the work kinds, when it can).
+    markers: AtomicBool,
 }
 
 static INJECTION: OnceLock<Injection> = OnceLock::new();
@@ -212,6 +218,29 @@ pub extern "C" fn InitializeInjection() -> c_int {
     1
 }
 
+/// Called by NVTX on a process's first NVTX call when `NVTX_INJECTION64_PATH` names this
+/// library (`gpu-observer run` sets it): CUPTI becomes the NVTX tool, through the same libcupti
+/// this library loaded, so that its markers land where the activity kinds are enabled (a second
+/// copy of CUPTI, say the one a PyTorch wheel ships, would record them for nobody). NVTX may
+/// come before `cuInit`: CUPTI is loaded here then. Returns CUPTI's answer (0: NVTX calls do
+/// nothing, the process runs on).
+#[unsafe(no_mangle)]
+pub extern "C" fn InitializeInjectionNvtx2(get_export_table: Option<cupti::NvtxGetExportTable>) -> c_int {
+    catch_unwind(|| {
+        let inj = INJECTION.get_or_init(init);
+        let Some(f) = inj.cupti.as_ref().and_then(|c| c.nvtx_init) else {
+            inj.nvtx.store(NvtxState::Failed as u32, Relaxed);
+            return 0;
+        };
+        // SAFETY: CUPTI's NVTX entry point, handed NVTX's own getter unchanged.
+        let r = unsafe { f(get_export_table) };
+        let state = if r != 0 { NvtxState::Active } else { NvtxState::Failed };
+        inj.nvtx.store(state as u32, Relaxed);
+        r
+    })
+    .unwrap_or(0)
+}
+
 fn init() -> Injection {
     let cfg = Config::from_env(|k| std::env::var(k).ok());
     let inj = |cupti, state: CuptiState, result: i32| Injection {
@@ -229,6 +258,8 @@ fn init() -> Injection {
         buffers: AtomicU64::new(0),
         names_sent: Mutex::new(HashSet::new()),
         devices_sent: AtomicBool::new(false),
+        nvtx: AtomicU32::new(NvtxState::NotLoaded as u32),
+        markers: AtomicBool::new(false),
     };
     let c = match Cupti::load(cfg.cupti_path.as_deref()) {
         Ok(c) => c,
@@ -392,6 +423,10 @@ fn start(inj: &Injection) {
     }
     inj.per_api.store(per_api, Relaxed);
     inj.enabled.store(true, Relaxed);
+    // NVTX ranges are a bonus: a CUPTI that cannot record them still times the GPU work.
+    // SAFETY: CUPTI entry point with a valid activity kind.
+    inj.markers
+        .store(unsafe { (c.enable)(kind::MARKER) } == cupti::SUCCESS, Relaxed);
     set_state(inj, CuptiState::Active, 0);
 }
 
@@ -421,6 +456,10 @@ fn stop(inj: &Injection) {
     for k in WORK_KINDS {
         // SAFETY: CUPTI entry point with a valid activity kind.
         unsafe { (c.disable)(k) };
+    }
+    if inj.markers.swap(false, Relaxed) {
+        // SAFETY: as above.
+        unsafe { (c.disable)(kind::MARKER) };
     }
     if inj.per_api.load(Relaxed) {
         let _ = set_work_apis(c, false);
@@ -520,9 +559,10 @@ fn forward(inj: &Injection, buffer: *mut u8, valid: usize) {
         }
         // SAFETY: inside the valid part of the buffer, at most the bytes left in it.
         let bytes = unsafe { std::slice::from_raw_parts(record, valid - offset) };
-        let (rec, name) = match convert::convert(bytes) {
-            Converted::Record(r) => (r, None),
-            Converted::Kernel(r, name) => (r, Some(name)),
+        let (rec, name, marker_name) = match convert::convert(bytes) {
+            Converted::Record(r) => (r, None, None),
+            Converted::Kernel(r, name) => (r, Some(name), None),
+            Converted::Marker(r, name, domain) => (r, None, Some((name, domain))),
             Converted::Skip => continue,
         };
         if !limiter.take(now) {
@@ -531,6 +571,9 @@ fn forward(inj: &Injection, buffer: *mut u8, valid: usize) {
         }
         if let Some(key) = name {
             send_name(inj, key);
+        }
+        if let Some((name, domain)) = marker_name {
+            send_marker_name(rec.name_key, name, domain);
         }
         batch[n] = rec;
         n += 1;
@@ -569,6 +612,30 @@ fn send_name(inj: &Injection, key: u64) {
     gpu_observer_cupti_name(key, name.as_ptr());
 }
 
+/// A marker's name (each range's own: NVTX names are not interned), before its record, as
+/// `domain` 0x1f `name` (the name alone in the default domain), cut to the hook's bound.
+fn send_marker_name(key: u64, name: u64, domain: u64) {
+    if key == 0 || name == 0 {
+        return;
+    }
+    let mut buf = [0u8; gpu_observer_common::event::NAME_LEN];
+    let room = buf.len() - 1;
+    let mut len = 0;
+    let mut put = |bytes: &[u8]| {
+        let n = bytes.len().min(room - len);
+        buf[len..len + n].copy_from_slice(&bytes[..n]);
+        len += n;
+    };
+    if domain != 0 {
+        // SAFETY: CUPTI's domain pointer: a NUL-terminated string, valid while its buffer is.
+        put(unsafe { CStr::from_ptr(domain as *const c_char) }.to_bytes());
+        put(&[marker::DOMAIN_SEPARATOR]);
+    }
+    // SAFETY: CUPTI's name pointer: as above.
+    put(unsafe { CStr::from_ptr(name as *const c_char) }.to_bytes());
+    gpu_observer_cupti_name(key, buf.as_ptr().cast());
+}
+
 fn send_status(inj: &Injection) {
     let mut aux = [0u64; 8];
     aux[status_aux::STATE] = inj.state.load(Relaxed);
@@ -582,6 +649,7 @@ fn send_status(inj: &Injection) {
     send(&[GpuRecord {
         kind: GpuRecordKind::Status as u32,
         start_ns: monotonic_ns(),
+        cbid: inj.nvtx.load(Relaxed),
         aux,
         ..Default::default()
     }]);

@@ -99,6 +99,18 @@ pub fn start(cmd: &[OsString], cli: &Cli) -> Result<Spawned> {
         c.env("CUDA_INJECTION64_PATH", lib)
             .env("GPU_OBSERVER_CUDA_BUFFER_SIZE", cli.cuda_buffer_size.to_string())
             .env("GPU_OBSERVER_CUPTI_RATE_LIMIT", cli.cupti_rate_limit.to_string());
+        // The same library is the NVTX tool: it hands NVTX's calls to the CUPTI it loaded, so
+        // NVTX ranges come as CUPTI markers. Another tool named by the user keeps its place
+        // (NVTX has one tool per process); the program's ranges are then not seen.
+        match std::env::var_os("NVTX_INJECTION64_PATH").filter(|v| !v.is_empty()) {
+            Some(other) if other != lib.as_os_str() => eprintln!(
+                "gpu-observer: note: NVTX_INJECTION64_PATH={} is kept: NVTX ranges go to that tool, not to gpu-observer",
+                other.to_string_lossy()
+            ),
+            _ => {
+                c.env("NVTX_INJECTION64_PATH", lib);
+            }
+        }
     }
     let user = sudo_user();
     if let Some((_, _, name, home)) = &user {

@@ -22,7 +22,7 @@ use std::{
 
 use gpu_observer_common::{
     api::{self, ApiSpec, Family},
-    cupti::{self, CuptiState, GpuRecord, GpuRecordKind, device_aux, status_aux},
+    cupti::{self, CuptiState, GpuRecord, GpuRecordKind, NvtxState, device_aux, status_aux},
 };
 
 use crate::decode::KernelName;
@@ -185,6 +185,8 @@ pub struct Status {
     pub buffers: u64,
     pub buffer_bytes: u64,
     pub rate_limit: u64,
+    /// Whether its NVTX calls reach CUPTI.
+    pub nvtx: Option<NvtxState>,
 }
 
 /// Per-process counts of GPU activity.
@@ -214,6 +216,8 @@ pub struct GpuStats {
     /// Time at least one of the process's kernels, copies or memsets ran on a device, summed
     /// over devices: the union of their intervals (overlapping work counted once; busy.rs).
     pub busy_ns: u64,
+    /// Its NVTX ranges and marks.
+    pub nvtx: super::nvtx::NvtxStats,
 }
 
 impl GpuStats {
@@ -278,6 +282,8 @@ pub struct GpuState {
     pending_count: usize,
     /// Bytes charged to the [`Pool`] for this process's tables.
     held: u64,
+    /// Its NVTX ranges (nvtx.rs), for the stacks of its GPU records.
+    pub nvtx: super::nvtx::Nvtx,
 }
 
 impl GpuState {
@@ -437,6 +443,7 @@ impl GpuState {
         comm: [u8; 16],
         rec: &GpuRecord,
         out: &mut Vec<GpuActivity>,
+        nvtx_out: &mut Vec<super::nvtx::NvtxRange>,
         pool: &mut Pool,
     ) -> Option<Status> {
         match GpuRecordKind::from_u32(rec.kind)? {
@@ -451,6 +458,7 @@ impl GpuState {
                     buffers: a(status_aux::BUFFERS),
                     buffer_bytes: a(status_aux::BUFFER_BYTES),
                     rate_limit: a(status_aux::RATE_LIMIT),
+                    nvtx: NvtxState::from_u32(rec.cbid),
                 };
                 let changed = new.state != self.status.state;
                 self.status = new;
@@ -468,8 +476,11 @@ impl GpuState {
                 self.api(rec, pid, comm, out, pool);
                 None
             }
-            // Paired by the NVTX state (nvtx.rs), not joined here.
-            GpuRecordKind::Marker => None,
+            GpuRecordKind::Marker => {
+                self.nvtx.record(pid, comm, rec, nvtx_out, pool);
+                self.stats.nvtx = self.nvtx.stats;
+                None
+            }
             GpuRecordKind::Kernel | GpuRecordKind::Memcpy | GpuRecordKind::Memset => {
                 // Busy time as CUPTI delivers the records (nearly in time order), not as they
                 // are joined: a record waits for its API record, which can come a buffer later.
@@ -730,6 +741,11 @@ impl GpuState {
             s.queue_delays += 1;
             s.max_queue_delay_ns = s.max_queue_delay_ns.max(delay);
         }
+        let nvtx = origin
+            .as_ref()
+            .and_then(|o| Some((o.tid, o.launch_ts_ns?)))
+            .and_then(|(tid, ts)| self.nvtx.stack(tid, ts));
+        self.stats.nvtx = self.nvtx.stats;
         out.push(GpuActivity {
             pid,
             comm,
@@ -739,7 +755,7 @@ impl GpuState {
             occupancy,
             sm_count,
             anomalous: false,
-            nvtx: None,
+            nvtx,
         });
     }
 }
@@ -879,15 +895,43 @@ mod tests {
         g.call(7, launch(1_000), &mut c.pool());
         g.call(7, launch(5_000), &mut c.pool());
         // Kernel of the second launch before its API record: it waits.
-        g.record(1, [0; 16], &kernel_rec(2, 9_000, 12_000), &mut out, &mut c.pool());
+        g.record(
+            1,
+            [0; 16],
+            &kernel_rec(2, 9_000, 12_000),
+            &mut out,
+            &mut Vec::new(),
+            &mut c.pool(),
+        );
         assert!(out.is_empty() && g.has_pending());
-        g.record(1, [0; 16], &api_rec(1, 7, 307, 1_200, 2_000), &mut out, &mut c.pool());
-        g.record(1, [0; 16], &api_rec(2, 7, 307, 5_300, 6_000), &mut out, &mut c.pool());
+        g.record(
+            1,
+            [0; 16],
+            &api_rec(1, 7, 307, 1_200, 2_000),
+            &mut out,
+            &mut Vec::new(),
+            &mut c.pool(),
+        );
+        g.record(
+            1,
+            [0; 16],
+            &api_rec(2, 7, 307, 5_300, 6_000),
+            &mut out,
+            &mut Vec::new(),
+            &mut c.pool(),
+        );
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].origin.as_ref().unwrap().launch_ts_ns, Some(5_000));
         assert_eq!(out[0].queue_delay_ns(), Some(4_000));
         assert_eq!(out[0].kernel.as_ref().unwrap().demangled.as_ref(), "k");
-        g.record(1, [0; 16], &kernel_rec(1, 3_000, 4_000), &mut out, &mut c.pool());
+        g.record(
+            1,
+            [0; 16],
+            &kernel_rec(1, 3_000, 4_000),
+            &mut out,
+            &mut Vec::new(),
+            &mut c.pool(),
+        );
         assert_eq!(out[1].origin.as_ref().unwrap().launch_ts_ns, Some(1_000));
         assert_eq!((g.stats.joined, g.stats.unjoined, g.stats.kernel_ns), (2, 0, 4_000));
         assert!(!g.has_pending());
@@ -905,6 +949,7 @@ mod tests {
             [0; 16],
             &api_rec(1, 7, 307, s + 100, s + 200),
             &mut out,
+            &mut Vec::new(),
             &mut c.pool(),
         );
         g.call(7, launch(40 * s), &mut c.pool());
@@ -913,18 +958,33 @@ mod tests {
             [0; 16],
             &api_rec(2, 7, 307, 40 * s + 100, 40 * s + 200),
             &mut out,
+            &mut Vec::new(),
             &mut c.pool(),
         );
         // 59 s after the first call ended: both ids still known; a late kernel of id 1 joins.
         g.age(s + 200 + ORIGIN_AGE_NS - 1, &mut c.pool());
-        g.record(1, [0; 16], &kernel_rec(1, 2 * s, 2 * s + 5), &mut out, &mut c.pool());
+        g.record(
+            1,
+            [0; 16],
+            &kernel_rec(1, 2 * s, 2 * s + 5),
+            &mut out,
+            &mut Vec::new(),
+            &mut c.pool(),
+        );
         assert_eq!(out.pop().unwrap().origin.unwrap().launch_ts_ns, Some(s));
         let held = c.used;
         // Past a minute: id 1 is forgotten (its bytes given back), id 2 is not.
         g.age(s + 201 + ORIGIN_AGE_NS, &mut c.pool());
         assert_eq!(held - c.used, ORIGIN_COST);
         assert!(!g.origins.contains_key(&1) && g.origins.contains_key(&2));
-        g.record(1, [0; 16], &kernel_rec(2, 41 * s, 41 * s + 5), &mut out, &mut c.pool());
+        g.record(
+            1,
+            [0; 16],
+            &kernel_rec(2, 41 * s, 41 * s + 5),
+            &mut out,
+            &mut Vec::new(),
+            &mut c.pool(),
+        );
         assert_eq!(out.pop().unwrap().origin.unwrap().launch_ts_ns, Some(40 * s));
         assert_eq!(c.evicted, 0, "ageing is not eviction");
     }
@@ -943,15 +1003,22 @@ mod tests {
         g.call(7, ex, &mut c.pool());
         let mut rt = api_rec(5, 7, 211, 1_500, 3_000); // cudaLaunchKernel
         rt.kind = GpuRecordKind::RuntimeApi as u32;
-        g.record(1, [0; 16], &rt, &mut out, &mut c.pool());
-        g.record(1, [0; 16], &kernel_rec(5, 4_000, 5_000), &mut out, &mut c.pool());
+        g.record(1, [0; 16], &rt, &mut out, &mut Vec::new(), &mut c.pool());
+        g.record(
+            1,
+            [0; 16],
+            &kernel_rec(5, 4_000, 5_000),
+            &mut out,
+            &mut Vec::new(),
+            &mut c.pool(),
+        );
         let o = out[0].origin.as_ref().unwrap();
         assert_eq!((o.launch_ts_ns, o.cupti_api), (Some(2_000), "cudaLaunchKernel"));
         assert_eq!(o.api.map(|a| a.name), Some("cuLaunchKernelEx"));
         // A runtime memcpy made no probed driver call: joined to CUPTI's record only.
         let mut cp = api_rec(6, 7, 41, 6_000, 7_000);
         cp.kind = GpuRecordKind::RuntimeApi as u32;
-        g.record(1, [0; 16], &cp, &mut out, &mut c.pool());
+        g.record(1, [0; 16], &cp, &mut out, &mut Vec::new(), &mut c.pool());
         assert_eq!(g.stats.api_unmatched, 1);
         assert_eq!(runtime_name("cudaMemcpy_ptds_v7000"), "cudaMemcpy_ptds");
     }
@@ -991,13 +1058,27 @@ mod tests {
         assert_eq!(c.evicted, 3901);
         // Claimed calls give their bytes back, and the thread's entry goes with its last.
         let mut out = Vec::new();
-        g.record(1, [0; 16], &api_rec(1, 5, 307, 8_000, 9_500), &mut out, &mut c.pool());
+        g.record(
+            1,
+            [0; 16],
+            &api_rec(1, 5, 307, 8_000, 9_500),
+            &mut out,
+            &mut Vec::new(),
+            &mut c.pool(),
+        );
         assert_eq!(c.used, 99 * (RECENT_COST + THREAD_COST) + ORIGIN_COST);
         // Activity with no API record waits while there is room, then goes out unjoined.
         let room = 100 * (RECENT_COST + THREAD_COST) - c.used;
         let fit = room / (PENDING_COST + ORDER_COST);
         for i in 0..fit + 3 {
-            g.record(1, [0; 16], &kernel_rec(100 + i as u32, 10, 20), &mut out, &mut c.pool());
+            g.record(
+                1,
+                [0; 16],
+                &kernel_rec(100 + i as u32, 10, 20),
+                &mut out,
+                &mut Vec::new(),
+                &mut c.pool(),
+            );
         }
         assert!(c.used <= 100 * (RECENT_COST + THREAD_COST));
         assert_eq!(
@@ -1017,7 +1098,14 @@ mod tests {
         let mut g = GpuState::default();
         let mut c = Counts::default();
         let mut out = Vec::new();
-        g.record(1, [0; 16], &kernel_rec(9, 100, 200), &mut out, &mut c.pool());
+        g.record(
+            1,
+            [0; 16],
+            &kernel_rec(9, 100, 200),
+            &mut out,
+            &mut Vec::new(),
+            &mut c.pool(),
+        );
         g.expire(1, [0; 16], 50, &mut out, &mut c.pool());
         assert!(out.is_empty(), "not old enough");
         g.expire(1, [0; 16], 101, &mut out, &mut c.pool());
@@ -1025,7 +1113,14 @@ mod tests {
         assert!(out[0].origin.is_none());
         assert_eq!((g.stats.joined, g.stats.unjoined), (0, 1));
         // An API record whose call the uprobes never saw: joined to nothing, counted.
-        g.record(1, [0; 16], &api_rec(3, 7, 307, 1, 2), &mut out, &mut c.pool());
+        g.record(
+            1,
+            [0; 16],
+            &api_rec(3, 7, 307, 1, 2),
+            &mut out,
+            &mut Vec::new(),
+            &mut c.pool(),
+        );
         assert_eq!(g.stats.api_unmatched, 1);
     }
 
@@ -1040,8 +1135,13 @@ mod tests {
         };
         st.aux[status_aux::STATE] = CuptiState::Busy as u64;
         st.aux[status_aux::CUPTI_RESULT] = 39;
-        let s = g.record(1, [0; 16], &st, &mut out, &mut c.pool()).expect("changed");
+        let s = g
+            .record(1, [0; 16], &st, &mut out, &mut Vec::new(), &mut c.pool())
+            .expect("changed");
         assert_eq!((s.state, s.cupti_result), (Some(CuptiState::Busy), 39));
-        assert_eq!(g.record(1, [0; 16], &st, &mut out, &mut c.pool()), None);
+        assert_eq!(
+            g.record(1, [0; 16], &st, &mut out, &mut Vec::new(), &mut c.pool()),
+            None
+        );
     }
 }

@@ -600,7 +600,7 @@ impl Correlator {
             .or_insert_with(|| Process::new(ev.pid, ev.ts_ns));
         // GPU records come from the injection library's own threads: their names are not the
         // process's (look it up the first time, if nothing else named the process).
-        let hook = matches!(ev.body, Body::Gpu(_) | Body::GpuName { .. });
+        let hook = matches!(ev.body, Body::Gpu(_) | Body::GpuName { .. } | Body::MarkerName { .. });
         p.changed = true;
         if hook {
             if p.comm.is_empty() {
@@ -681,7 +681,7 @@ impl Correlator {
             Body::Gpu(rec) => {
                 let comm = p.comm_bytes();
                 let g = p.gpu.get_or_insert_with(Default::default);
-                if let Some(status) = g.record(ev.pid, comm, rec, &mut self.gpu_out, pool!()) {
+                if let Some(status) = g.record(ev.pid, comm, rec, &mut self.gpu_out, &mut self.nvtx_out, pool!()) {
                     self.cupti_changes.push(CuptiChange {
                         pid: ev.pid,
                         ts_ns: ev.ts_ns,
@@ -694,6 +694,12 @@ impl Correlator {
                 p.gpu
                     .get_or_insert_with(Default::default)
                     .name(*key, name.clone(), pool!());
+            }
+            Body::MarkerName { id, name, domain } => {
+                p.gpu
+                    .get_or_insert_with(Default::default)
+                    .nvtx
+                    .name(*id, name.clone(), domain.clone());
             }
             Body::Ioctl(i) => {
                 i.device = p.device(i.fd, lookup);
@@ -717,6 +723,8 @@ impl Correlator {
                 let comm = p.comm_bytes();
                 if let Some(g) = p.gpu.as_deref_mut() {
                     g.expire(ev.pid, comm, u64::MAX, &mut self.gpu_out, pool!());
+                    g.nvtx.finish(ev.pid, comm, &mut self.nvtx_out, pool!());
+                    g.stats.nvtx = g.nvtx.stats;
                     // Its join state is of no more use: only the counters stay.
                     g.release(pool!());
                 }
@@ -889,6 +897,10 @@ impl Correlator {
             }
             if now_ns != u64::MAX {
                 g.age(now_ns, &mut pool);
+            } else {
+                // The end of the run: ranges still open go out unended.
+                g.nvtx.finish(p.pid, comm, &mut self.nvtx_out, &mut pool);
+                g.stats.nvtx = g.nvtx.stats;
             }
         }
     }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use gpu_observer_common::{
     api::{self, ApiSpec, Direction, Family, Flags, MemKind, NO_ARG},
-    cupti::GpuRecord,
+    cupti::{GpuRecord, marker},
     event::{
         CallEvent, EventHeader, EventKind, GpuEvent, GpuNameEvent, IoctlEvent, LaunchEvent, NameEvent, call_flags,
         read_record,
@@ -36,6 +36,12 @@ pub enum Body {
     GpuName {
         key: u64,
         name: Arc<KernelName>,
+    },
+    /// An NVTX marker's name (and domain), sent before its record (`id`: the marker id).
+    MarkerName {
+        id: u32,
+        name: Arc<str>,
+        domain: Option<Arc<str>>,
     },
 }
 
@@ -238,9 +244,22 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         EventKind::GpuName => {
             let r: GpuNameEvent = read_record(bytes).ok_or(DecodeError::Short)?;
             let end = r.name.iter().position(|&b| b == 0).unwrap_or(r.name.len());
-            Body::GpuName {
-                key: r.key,
-                name: Arc::new(KernelName::new(&String::from_utf8_lossy(&r.name[..end]))),
+            let bytes = &r.name[..end];
+            if r.key & marker::NAME_KEY_BIT != 0 {
+                let (domain, name) = match bytes.iter().position(|&b| b == marker::DOMAIN_SEPARATOR) {
+                    Some(i) => (Some(&bytes[..i]), &bytes[i + 1..]),
+                    None => (None, bytes),
+                };
+                Body::MarkerName {
+                    id: r.key as u32,
+                    name: String::from_utf8_lossy(name).into(),
+                    domain: domain.map(|d| String::from_utf8_lossy(d).into()),
+                }
+            } else {
+                Body::GpuName {
+                    key: r.key,
+                    name: Arc::new(KernelName::new(&String::from_utf8_lossy(bytes))),
+                }
             }
         }
     };

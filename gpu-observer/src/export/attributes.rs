@@ -21,6 +21,22 @@ fn dims(d: [i32; 3]) -> Value {
 /// A kernel span's `gpu.*` attributes, a transfer span's `gpu_transfer.*` (memsets too, in the
 /// transfer form: no memset attributes were ever defined).
 pub fn span_attributes(a: &GpuActivity, threshold_us: u64, is_slow: bool) -> Vec<(&'static str, Value)> {
+    let mut v = work_attributes(a, threshold_us, is_slow);
+    if let Some(stack) = &a.nvtx {
+        v.push(("gpu.nvtx", Value::Str(nvtx_path(stack))));
+    }
+    v
+}
+
+/// An NVTX stack as one string, outermost first (`step / forward / aten::mm`).
+pub fn nvtx_path(stack: &[std::sync::Arc<str>]) -> String {
+    stack.join(NVTX_SEPARATOR)
+}
+
+/// Between the ranges of a [`nvtx_path`].
+pub const NVTX_SEPARATOR: &str = " / ";
+
+fn work_attributes(a: &GpuActivity, threshold_us: u64, is_slow: bool) -> Vec<(&'static str, Value)> {
     let r = &a.rec;
     let duration_us = (a.duration_ns() / 1000) as i64;
     match a.kind() {

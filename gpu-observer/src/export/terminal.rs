@@ -2,7 +2,10 @@
 
 use std::{collections::HashMap, fmt::Write as _, sync::Arc};
 
-use gpu_observer_common::{api::Direction, cupti::CuptiState};
+use gpu_observer_common::{
+    api::Direction,
+    cupti::{CuptiState, NvtxState},
+};
 
 use super::text::{Printable, printable, printable_cut};
 use crate::{
@@ -670,6 +673,22 @@ fn gpu_summary(out: &mut String, g: &GpuView) {
         CuptiState::name_of(st.state),
         CuptiState::message_of(st.state)
     );
+    let n = &s.nvtx;
+    let ranges = n.thread_ranges + n.process_ranges + n.marks + n.open_at_end;
+    if ranges > 0 {
+        let _ = writeln!(
+            out,
+            "  NVTX          {:>10}   ranges and marks ({} thread, {} process, {} marks, {} open at the end); {} GPU records carry their stack",
+            ranges, n.thread_ranges, n.process_ranges, n.marks, n.open_at_end, n.stacks
+        );
+    } else {
+        let _ = writeln!(
+            out,
+            "  NVTX          {:>10}   {}",
+            NvtxState::name_of(st.nvtx),
+            NvtxState::message_of(st.nvtx)
+        );
+    }
     if s.kernels + s.memcpys + s.memsets == 0 {
         return;
     }

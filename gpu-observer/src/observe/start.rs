@@ -127,6 +127,11 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
         Format::Dashboard | Format::Terminal | Format::Json | Format::None => Some(writer),
     };
     // The timeline and the flamegraph: files of their own, alongside any format.
+    if (cli.perfetto.is_some() || cli.flamegraph.is_some()) && !cli.is_run() {
+        say(
+            "note: GPU execution times and NVTX ranges come only from processes started with `gpu-observer run` (its injection library is their CUPTI and NVTX tool); the others show their CPU calls",
+        );
+    }
     if let Some(p) = &cli.perfetto {
         sinks.push(Box::new(export::perfetto::PerfettoSink::create(
             p,

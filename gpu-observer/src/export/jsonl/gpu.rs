@@ -5,13 +5,14 @@ use std::io::{self, Write};
 
 use gpu_observer_common::cupti::GpuRecordKind;
 
-use gpu_observer_common::cupti::CuptiState;
+use gpu_observer_common::cupti::{CuptiState, NvtxState};
 
 use super::{JsonlWriter, OptNum, opt_str};
 use crate::{
     correlate::{
         CuptiChange,
         cupti_join::{GpuActivity, copy_kind_name, memory_kind_name},
+        nvtx::NvtxRange,
     },
     export::attributes::{Value, span_attributes},
     rules::bandwidth_mbps,
@@ -96,6 +97,16 @@ impl<W: Write> JsonlWriter<W> {
                 memory_kind_name(r.dst_kind)
             )?,
         }
+        if let Some(stack) = &a.nvtx {
+            out.write_all(b",\"nvtx\":[")?;
+            for (i, label) in stack.iter().enumerate() {
+                if i > 0 {
+                    out.write_all(b",")?;
+                }
+                serde_json::to_writer(&mut *out, &**label).map_err(io::Error::other)?;
+            }
+            out.write_all(b"]")?;
+        }
         let slow = crate::rules::is_slow(dur, self.threshold_ns);
         write!(out, ",\"is_slow\":{slow},\"attributes\":{{")?;
         for (i, (k, v)) in span_attributes(a, self.threshold_ns / 1000, slow)
@@ -111,6 +122,26 @@ impl<W: Write> JsonlWriter<W> {
             }
         }
         out.write_all(b"}}\n")
+    }
+
+    /// An NVTX range that ended (or was still open at the end: `end_ns` null), or a mark. All
+    /// are written: they are the program's own structure, not sampled.
+    pub fn nvtx(&mut self, r: &NvtxRange) -> io::Result<()> {
+        let comm = crate::rules::comm(&r.comm);
+        self.head("nvtx_range", r.start_ns, r.pid, r.tid, &comm)?;
+        let out = &mut self.out;
+        write!(out, ",\"id\":{},\"kind\":\"{}\",\"name\":", r.id, r.kind.name())?;
+        serde_json::to_writer(&mut *out, &*r.name).map_err(io::Error::other)?;
+        out.write_all(b",\"domain\":")?;
+        serde_json::to_writer(&mut *out, &r.domain.as_deref()).map_err(io::Error::other)?;
+        write!(
+            out,
+            ",\"start_ns\":{},\"end_ns\":{},\"duration_ns\":{},\"depth\":{}}}\n",
+            r.start_ns,
+            OptNum(r.end_ns),
+            OptNum(r.end_ns.map(|e| e.saturating_sub(r.start_ns))),
+            r.depth
+        )
     }
 
     /// A process's CUPTI state changed (active, busy next to another profiler, ...).
@@ -165,6 +196,20 @@ impl<W: Write> JsonlWriter<W> {
             serde_json::to_writer(&mut *o, &**name).map_err(io::Error::other)?;
             write!(o, ",\"count\":{count},\"gpu_ns\":{ns}}}")?;
         }
-        o.write_all(b"]}")
+        o.write_all(b"]")?;
+        let n = &s.nvtx;
+        write!(
+            o,
+            ",\"nvtx\":{{\"state\":\"{}\",\"thread_ranges\":{},\"process_ranges\":{},\"marks\":{},\"open_at_end\":{},\"unmatched_ends\":{},\"unnamed\":{},\"evicted\":{},\"gpu_records_with_stack\":{}}}}}",
+            NvtxState::name_of(st.nvtx),
+            n.thread_ranges,
+            n.process_ranges,
+            n.marks,
+            n.open_at_end,
+            n.unmatched_ends,
+            n.unnamed,
+            n.evicted,
+            n.stacks
+        )
     }
 }

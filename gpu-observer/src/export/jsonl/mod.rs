@@ -309,7 +309,7 @@ impl<W: Write> JsonlWriter<W> {
             }
             Body::ProcessExit => self.event_head("process_exit", ev)?,
             // Written once joined, by `gpu`.
-            Body::Gpu(_) | Body::GpuName { .. } => return Ok(()),
+            Body::Gpu(_) | Body::GpuName { .. } | Body::MarkerName { .. } => return Ok(()),
         }
         self.out.write_all(b"}\n")
     }
@@ -681,6 +681,10 @@ impl<W: Write + Send> Sink for JsonlSink<W> {
 
     fn cupti_state(&mut self, c: &CuptiChange) -> anyhow::Result<()> {
         Ok(self.writer.cupti(c)?)
+    }
+
+    fn nvtx(&mut self, r: &crate::correlate::nvtx::NvtxRange) -> anyhow::Result<()> {
+        Ok(self.writer.nvtx(r)?)
     }
 
     fn memory(&mut self, ts_ns: u64, m: &MemorySample, comm: &str) -> anyhow::Result<()> {

@@ -570,7 +570,7 @@ impl Spans {
                 }
                 self.procs.lock().unwrap_or_else(PoisonError::into_inner).forget(ev.pid);
             }
-            Body::Gpu(_) | Body::GpuName { .. } => {}
+            Body::Gpu(_) | Body::GpuName { .. } | Body::MarkerName { .. } => {}
         }
     }
 
