@@ -134,9 +134,9 @@ impl<W: Write> JsonlWriter<W> {
         serde_json::to_writer(&mut *out, &*r.name).map_err(io::Error::other)?;
         out.write_all(b",\"domain\":")?;
         serde_json::to_writer(&mut *out, &r.domain.as_deref()).map_err(io::Error::other)?;
-        write!(
+        writeln!(
             out,
-            ",\"start_ns\":{},\"end_ns\":{},\"duration_ns\":{},\"depth\":{}}}\n",
+            ",\"start_ns\":{},\"end_ns\":{},\"duration_ns\":{},\"depth\":{}}}",
             r.start_ns,
             OptNum(r.end_ns),
             OptNum(r.end_ns.map(|e| e.saturating_sub(r.start_ns))),
