@@ -560,3 +560,48 @@ fn nvml_samples_are_counters_under_their_gpu() {
         ]
     );
 }
+
+/// A trace with every kind of track for the Python decoder's own check
+/// (`GPU_OBSERVER_PERFETTO_SAMPLE=FILE cargo test perfetto::tests::sample`).
+#[test]
+fn sample() {
+    let Some(path) = std::env::var_os("GPU_OBSERVER_PERFETTO_SAMPLE") else {
+        return;
+    };
+    let mut s = sink();
+    cupti_on(&mut s);
+    s.event(&launch(1000, "cuLaunchKernel")).unwrap();
+    s.gpu(&kernel(1500, 1600, 7, Some(("cuLaunchKernel", 1000)))).unwrap();
+    s.gpu(&kernel(1550, 1650, 7, None)).unwrap();
+    let ioctl = ev(
+        2100,
+        101,
+        "cuMemcpyHtoD_v2",
+        Body::Ioctl(Ioctl {
+            fd: 3,
+            cmd: 0xc020_462a,
+            arg: 0,
+            duration_ns: 50,
+            ret: 0,
+            parent: Some(spec("cuMemcpyHtoD_v2")),
+            name: Some("NV_ESC_RM_CONTROL"),
+            device: Some("/dev/nvidiactl".into()),
+        }),
+    );
+    s.event(&ioctl).unwrap();
+    s.event(&ev(
+        2000,
+        101,
+        "cuMemcpyHtoD_v2",
+        Body::Call(Call::returned(spec("cuMemcpyHtoD_v2"), 500)),
+    ))
+    .unwrap();
+    let sample = crate::nvml::DeviceSample {
+        ts_ns: 77,
+        device: 0,
+        util_gpu: Some(87),
+        ..Default::default()
+    };
+    s.nvml(&Line::Device(sample), None, &[]).unwrap();
+    std::fs::write(path, s.get_ref()).unwrap();
+}
