@@ -32,6 +32,7 @@ use gpu_observer::{
     export::{
         Sink,
         jsonl::{JsonlSink, JsonlWriter},
+        perfetto::PerfettoSink,
     },
     nvml,
     pipeline::{Pipeline, recorded},
@@ -105,6 +106,9 @@ struct Args {
     /// Write the median as the new baseline instead of judging it.
     #[arg(long)]
     write_baseline: bool,
+    /// Where the runs with the Perfetto sink write their trace (removed after each run).
+    #[arg(long)]
+    perfetto_file: Option<PathBuf>,
 }
 
 /// One run's measurement.
@@ -114,6 +118,8 @@ struct Measured {
     passes: u64,
     secs: f64,
     allocs: u64,
+    /// With the Perfetto sink: the trace's bytes per event (warm-up pass included).
+    trace_bytes_per_event: f64,
 }
 
 impl Measured {
@@ -140,7 +146,7 @@ fn main() -> Result<()> {
     );
     let mut runs = Vec::new();
     for run in 0..args.runs.max(1) {
-        let m = measure(&records, Duration::from_secs_f64(args.seconds))?;
+        let m = measure(&records, Duration::from_secs_f64(args.seconds), None)?;
         println!(
             "  run {}: {} events in {} passes, {:.2} s: {:.0} events/s, {:.4} allocations/event",
             run + 1,
@@ -160,6 +166,7 @@ fn main() -> Result<()> {
     let allocs_per_event = allocs[allocs.len() / 2];
     let events_per_s = median.events_per_s();
     println!("median: {events_per_s:.0} events/s, {allocs_per_event:.4} allocations/event");
+    perfetto_runs(&args, &records, events_per_s)?;
     let recording = json!({
         "path": args.records.display().to_string(),
         "records": records.len(),
@@ -196,6 +203,42 @@ fn main() -> Result<()> {
         return Ok(());
     }
     judge(&args.baseline, &recording, events_per_s, allocs_per_event)
+}
+
+/// The same runs with a Perfetto sink beside the JSON lines, writing a trace file: events/s
+/// side by side with the plain median, and the trace's bytes per event. Not judged.
+fn perfetto_runs(args: &Args, records: &[Vec<u8>], plain_events_per_s: f64) -> Result<()> {
+    let path = args
+        .perfetto_file
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("bench_pipeline.{}.pftrace", std::process::id())));
+    let mut runs = Vec::new();
+    for run in 0..args.runs.max(1) {
+        let m = measure(records, Duration::from_secs_f64(args.seconds), Some(&path));
+        let _ = std::fs::remove_file(&path);
+        let m = m?;
+        println!(
+            "  with --perfetto, run {}: {} events in {} passes, {:.2} s: {:.0} events/s, {:.4} allocations/event, {:.1} trace bytes/event",
+            run + 1,
+            m.events,
+            m.passes,
+            m.secs,
+            m.events_per_s(),
+            m.allocs_per_event(),
+            m.trace_bytes_per_event
+        );
+        runs.push(m);
+    }
+    runs.sort_by(|a, b| a.events_per_s().total_cmp(&b.events_per_s()));
+    let median = runs[runs.len() / 2];
+    println!(
+        "median with --perfetto: {:.0} events/s ({:.3} × the {plain_events_per_s:.0} without), {:.4} allocations/event, {:.1} trace bytes/event",
+        median.events_per_s(),
+        median.events_per_s() / plain_events_per_s,
+        median.allocs_per_event(),
+        median.trace_bytes_per_event
+    );
+    Ok(())
 }
 
 /// Compares with the baseline; exits 1 on FAIL.
@@ -292,7 +335,7 @@ const PID_AT: usize = std::mem::offset_of!(EventHeader, pid);
 
 /// One run: a fresh pipeline (as the agent configures it with `--format jsonl --trace-all`,
 /// the default memory limit, no NVML), a pass to warm up, then passes until `min` has gone by.
-fn measure(records: &[Vec<u8>], min: Duration) -> Result<Measured> {
+fn measure(records: &[Vec<u8>], min: Duration, perfetto: Option<&Path>) -> Result<Measured> {
     let corr = Correlator::new(THRESHOLD_NS).with_memory_limit_mb(DEFAULT_MEMORY_LIMIT_MB, DEFAULT_RING_BYTES);
     // The agent's writer: a 64 KiB buffer in front of the output (export/output.rs).
     let out = BufWriter::with_capacity(1 << 16, std::io::sink());
@@ -300,6 +343,11 @@ fn measure(records: &[Vec<u8>], min: Duration) -> Result<Measured> {
         writer: JsonlWriter::new(out, THRESHOLD_NS, true),
         dest: "std::io::sink()".into(),
     })];
+    let mut sinks = sinks;
+    if let Some(path) = perfetto {
+        let _ = std::fs::remove_file(path);
+        sinks.push(Box::new(PerfettoSink::create(path, u64::MAX)?));
+    }
     let hub = nvml::Hub::new(nvml::State::Off, Duration::from_millis(100), None);
     let (publisher, _snapshots) = Publisher::new(hub.view());
     let mut pipe = Pipeline::new(corr, sinks, hub, None, publisher, Default::default(), monotonic_ns());
@@ -333,12 +381,15 @@ fn measure(records: &[Vec<u8>], min: Duration) -> Result<Measured> {
     }
     let secs = start.elapsed().as_secs_f64();
     let allocs = ALLOCS.load(Ordering::Relaxed) - allocs;
-    pipe.finish(monotonic_ns())?;
+    // Closes the sinks: the trace is flushed.
+    drop(pipe.finish(monotonic_ns())?);
+    let trace_bytes = perfetto.and_then(|p| std::fs::metadata(p).ok()).map_or(0, |m| m.len());
     Ok(Measured {
         events: passes * records.len() as u64,
         passes,
         secs,
         allocs,
+        trace_bytes_per_event: trace_bytes as f64 / ((passes + 1) * records.len() as u64) as f64,
     })
 }
 

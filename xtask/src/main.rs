@@ -237,7 +237,7 @@ fn as_root(cmd: &mut Command) -> Result<()> {
         bail!("this needs root (eBPF programs and uprobes) and there is no sudo: run it as root");
     }
     let mut sudo = Command::new("sudo");
-    sudo.arg("--preserve-env=GPU_OBSERVER_BIN,GPU_OBSERVER_FIXTURES,PATH")
+    sudo.arg("--preserve-env=GPU_OBSERVER_BIN,GPU_OBSERVER_FIXTURES,GPU_OBSERVER_PYTHONPATH,PATH")
         .arg(cmd.get_program())
         .args(cmd.get_args());
     for (k, v) in cmd.get_envs() {
@@ -306,6 +306,41 @@ fn setup() -> Result<()> {
     if !have("gcc") {
         eprintln!("xtask: installing gcc");
         apt(&["gcc", "libc6-dev"])?;
+    }
+    python_protos()?;
+    Ok(())
+}
+
+/// Perfetto's protos for Python (PyPI `perfetto`, and the `protobuf` it needs), pinned, in a
+/// private directory: tests/perfetto/decode.py reads the --perfetto traces with them.
+const PYTHON_PACKAGES: [&str; 2] = ["perfetto==0.59.1", "protobuf==7.36.2"];
+
+fn python_dir() -> PathBuf {
+    tools().join("python")
+}
+
+fn python_protos() -> Result<()> {
+    let dir = python_dir();
+    let have = PYTHON_PACKAGES.iter().all(|p| {
+        let (name, version) = p.split_once("==").unwrap_or((p, ""));
+        dir.join(format!("{name}-{version}.dist-info")).is_dir()
+    });
+    if !have {
+        eprintln!("xtask: installing {} into {}", PYTHON_PACKAGES.join(" "), dir.display());
+        status(
+            Command::new("python3")
+                .args([
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                    "--upgrade",
+                    "--target",
+                ])
+                .arg(&dir)
+                .args(PYTHON_PACKAGES),
+        )?;
     }
     Ok(())
 }
@@ -379,7 +414,8 @@ fn test(lint_too: bool, args: &[OsString]) -> Result<()> {
         .args(args)
         .current_dir(root())
         .env("GPU_OBSERVER_BIN", &bin)
-        .env("GPU_OBSERVER_FIXTURES", &fx);
+        .env("GPU_OBSERVER_FIXTURES", &fx)
+        .env("GPU_OBSERVER_PYTHONPATH", python_dir());
     let result = as_root(&mut t);
     let (passed, failed) = test_totals(&std::fs::read_to_string(&log).unwrap_or_default());
     println!("{passed} passed, {failed} failed");
