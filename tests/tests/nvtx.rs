@@ -18,6 +18,9 @@ fn nvtx(r: &mut RunAgent, ops: &str) -> (u64, bool) {
     (tid, it.next() == Some("1"))
 }
 
+/// An `nvtx_range` line as compared: name, kind, thread, domain, depth, ended.
+type Range<'a> = (String, String, u64, Option<&'a str>, Value, bool);
+
 fn stacks(cap: &Captured, pid: u32) -> Vec<(String, Value)> {
     let mut v: Vec<(String, Value)> = cap
         .of_type("gpu_kernel")
@@ -68,7 +71,7 @@ fn ranges_of_every_kind_and_each_kernels_stack_under_run() {
 
     // The ranges: pushes nest on their thread; the range started on the main thread and
     // ended on the worker is a process range; the mark is a point.
-    let mut ranges: Vec<(String, String, u64, Option<&str>, Value, bool)> = cap
+    let mut ranges: Vec<Range> = cap
         .of_type("nvtx_range")
         .filter(|l| l["pid"] == pid)
         .map(|l| {
@@ -86,7 +89,7 @@ fn ranges_of_every_kind_and_each_kernels_stack_under_run() {
         })
         .collect();
     ranges.sort_by(|a, b| a.0.cmp(&b.0));
-    let t = |name: &str, kind: &str, tid: u64, domain: Option<&'static str>, depth: u64, ended: bool| {
+    let t = |name: &str, kind: &str, tid: u64, domain: Option<&'static str>, depth: u64, ended: bool| -> Range {
         (
             name.to_string(),
             kind.to_string(),

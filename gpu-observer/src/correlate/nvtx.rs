@@ -404,6 +404,9 @@ mod tests {
 
     const COMM: [u8; 16] = *b"train\0\0\0\0\0\0\0\0\0\0\0";
 
+    /// An output range as the tests compare it: id, kind, name, start, end, depth.
+    type Ended<'a> = (u32, NvtxKind, &'a str, u64, Option<u64>, u32);
+
     struct World {
         n: Nvtx,
         out: Vec<NvtxRange>,
@@ -463,7 +466,7 @@ mod tests {
             self.n.stack(tid, ts).map(|s| s.iter().map(|l| l.to_string()).collect())
         }
 
-        fn ended(&self) -> Vec<(u32, NvtxKind, &str, u64, Option<u64>, u32)> {
+        fn ended(&self) -> Vec<Ended<'_>> {
             self.out
                 .iter()
                 .map(|r| (r.id, r.kind, &*r.name, r.start_ns, r.end_ns, r.depth))

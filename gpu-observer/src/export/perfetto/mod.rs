@@ -468,7 +468,7 @@ impl<W: Write> PerfettoSink<W> {
                 }
                 Ok(None)
             }
-            Body::Gpu(_) | Body::GpuName { .. } => Ok(None),
+            Body::Gpu(_) | Body::GpuName { .. } | Body::MarkerName { .. } => Ok(None),
         }
     }
 
