@@ -24,8 +24,14 @@ fn run_with_cupti(name: &str) -> (String, u64, u32, Vec<String>, String) {
     let mut r = RunAgent::with_cupti_args(&dir, &lib, &["--flamegraph", path.to_str().unwrap()], &[]);
     let pid = r.pid;
     r.cmd("init");
-    let n = passes(&r.cmd("loop 200 launch:3:gemm launch:5:relu htod:200000"));
+    // Paced (0.5 ms a pass) so that the ring buffer drops nothing on a small machine.
+    let n = passes(&r.cmd("loop 300 launch:3:gemm launch:5:relu htod:200000 sleep:500"));
     let cap = r.finish();
+    assert!(
+        cap.stderr.iter().any(|l| l.ends_with(" events, 0 dropped")),
+        "{}",
+        cap.stderr.join("\n")
+    );
     let text = std::fs::read_to_string(&path).unwrap();
     (text, n, pid, cap.stderr, path.display().to_string())
 }
@@ -55,6 +61,18 @@ fn run_with_cupti_weighs_each_stack_by_its_gpu_time() {
     assert!(stderr.iter().any(|l| *l == said), "no `{said}`:\n{}", stderr.join("\n"));
 }
 
+fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
 #[test]
 fn an_svg_path_gets_an_svg_titled_with_its_unit() {
     let (svg, n, pid, stderr, _) = run_with_cupti("k.svg");
@@ -65,7 +83,8 @@ fn an_svg_path_gets_an_svg_titled_with_its_unit() {
         svg.contains(">GPU time (ns) of kernels, copies and memsets, from CUPTI</text>"),
         "{svg}"
     );
-    let gemm = format!("<title>gemm ({} ns,", 3_000 * n);
+    // inferno writes counts with thousands separators.
+    let gemm = format!("<title>gemm ({} ns,", thousands(3_000 * n));
     assert!(svg.contains(&gemm), "no {gemm}: {svg}");
     assert!(svg.contains(&format!("<title>cuda_workload {pid} (")), "{svg}");
     assert!(svg.contains("<title>memcpy HtoD ("), "{svg}");

@@ -92,10 +92,11 @@ pub struct FlamegraphSink {
     file: Option<std::fs::File>,
     gpu: Table,
     launches: Table,
-    /// pid → the process frame's name.
-    processes: HashMap<u32, (Rank, Box<str>)>,
+    /// pid → the process frame's name (and the comm it was made from, so that a launch of
+    /// an unchanged name allocates nothing).
+    processes: HashMap<u32, (Rank, [u8; 16], Box<str>)>,
     /// (pid, tid) → the thread frame (`name tid N`), from the thread's launches and copies.
-    threads: HashMap<(u32, u32), Box<str>>,
+    threads: HashMap<(u32, u32), ([u8; 16], Box<str>)>,
     /// Processes that exited since the last flush: their threads are forgotten then, not at
     /// once, since a batch's GPU records reach the sinks after its events (export/sink.rs).
     exited: Vec<u32>,
@@ -131,14 +132,15 @@ impl FlamegraphSink {
         self.path.extension().is_some_and(|e| e.eq_ignore_ascii_case("svg"))
     }
 
-    fn name_process(&mut self, pid: u32, comm: &[u8], rank: Rank) {
-        let known = self.processes.get(&pid).map(|(r, _)| *r);
-        if known.is_some_and(|r| r > rank) || (known.is_none() && self.processes.len() >= MAX_PROCESSES) {
-            return;
+    fn name_process(&mut self, pid: u32, comm: &[u8; 16], rank: Rank) {
+        match self.processes.get(&pid) {
+            Some((r, c, _)) if *r > rank || (*r == rank && c == comm) => return,
+            None if self.processes.len() >= MAX_PROCESSES => return,
+            _ => {}
         }
         let mut name = String::new();
         push_sanitized(&mut name, &crate::rules::comm(comm));
-        self.processes.insert(pid, (rank, name.into()));
+        self.processes.insert(pid, (rank, *comm, name.into()));
     }
 
     /// Remembers the thread's name from one of its calls, and the process's.
@@ -146,20 +148,20 @@ impl FlamegraphSink {
         let rank = if ev.tid == ev.pid { Rank::Process } else { Rank::Thread };
         self.name_process(ev.pid, &ev.comm, rank);
         let k = (ev.pid, ev.tid);
-        if !self.threads.contains_key(&k) && self.threads.len() >= MAX_THREADS {
-            return;
+        match self.threads.get(&k) {
+            Some((c, _)) if *c == ev.comm => return,
+            None if self.threads.len() >= MAX_THREADS => return,
+            _ => {}
         }
         let mut name = String::new();
         push_sanitized(&mut name, &ev.comm());
         let _ = write!(name, " tid {}", ev.tid);
-        if self.threads.get(&k).is_none_or(|n| **n != *name) {
-            self.threads.insert(k, name.into());
-        }
+        self.threads.insert(k, (ev.comm, name.into()));
     }
 
     fn push_thread(&mut self, pid: u32, tid: u32) {
         match self.threads.get(&(pid, tid)) {
-            Some(n) => push_frame_raw(&mut self.key, n),
+            Some((_, n)) => push_frame_raw(&mut self.key, n),
             None => {
                 sep(&mut self.key);
                 let _ = write!(self.key, "tid {tid}");
@@ -183,7 +185,7 @@ impl FlamegraphSink {
     /// The folded lines and their unit; what stderr should add about what is not in them.
     fn render(&self) -> (Unit, Vec<String>, Vec<String>) {
         let process = |pid: u32| match self.processes.get(&pid) {
-            Some((_, n)) => format!("{n} {pid}"),
+            Some((_, _, n)) => format!("{n} {pid}"),
             None => format!("pid {pid}"),
         };
         let mut notes = Vec::new();
