@@ -58,14 +58,14 @@ fn run_with_cupti_weighs_each_stack_by_its_gpu_time() {
         path,
         8_700 * n
     );
-    assert!(stderr.iter().any(|l| *l == said), "no `{said}`:\n{}", stderr.join("\n"));
+    assert!(stderr.contains(&said), "no `{said}`:\n{}", stderr.join("\n"));
 }
 
 fn thousands(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);
