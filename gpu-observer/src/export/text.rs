@@ -11,7 +11,7 @@ use std::fmt::{self, Write};
 /// Whether `c` must not reach a terminal as itself: C0 and C1 controls, DEL, and the Unicode
 /// format characters that reorder or break lines (bidi overrides and isolates, line and
 /// paragraph separators), with which a name could make a row read differently than it is.
-fn unsafe_char(c: char) -> bool {
+pub(crate) fn unsafe_char(c: char) -> bool {
     c.is_control()
         || matches!(c,
             '\u{200e}' | '\u{200f}' | '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')

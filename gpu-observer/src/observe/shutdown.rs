@@ -7,7 +7,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 
 use super::{End, Run};
 use crate::{
@@ -128,14 +128,25 @@ pub(super) async fn shutdown(mut run: Run, end: End) -> Result<i32> {
         agent: &agent,
     };
     let events_line = format!("{} events, {} dropped", snap.events, drops.total);
+    // Every sink's summary, whatever the format: JSON lines writes its summary lines then, and
+    // the file outputs (--flamegraph) their files.
+    if !output_failed
+        && let Err(e) = sinks.iter_mut().try_for_each(|s| {
+            s.summary(&summary)
+                .with_context(|| format!("writing {} failed", s.describe()))
+        })
+    {
+        say(format_args!("error: {e:#}"));
+        output_failed = true;
+    }
     let written: Result<()> = if output_failed {
         Err(anyhow::anyhow!("the output had already failed"))
     } else {
         match (run_format, summary_out.as_mut()) {
-            (Format::Jsonl, _) => sinks
-                .iter_mut()
-                .try_for_each(|s| s.summary(&summary))
-                .map(|()| say(&events_line)),
+            (Format::Jsonl, _) => {
+                say(&events_line);
+                Ok(())
+            }
             (Format::Terminal | Format::Dashboard, Some(out)) => out
                 .write_all(text.as_bytes())
                 .and_then(|()| out.flush())
