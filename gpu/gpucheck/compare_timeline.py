@@ -77,7 +77,11 @@ def main(argv):
         report["threads"][tid] = {"slices": sum(slices.values()), "instants": sum(instants.values())}
 
     # GPU stream tracks: one slice per GPU record, same kernel names.
-    gpu = [t for t in children if (t.get("name") or "").startswith("GPU ") and "stream" in (t.get("name") or "")]
+    streams = {u for u, t in tracks.items() if proc and t.get("parent") == proc[0]
+               and (t.get("name") or "").startswith("GPU ") and "stream" in (t.get("name") or "")}
+    # A stream's overlap lanes are tracks under it.
+    streams |= {u for u, t in tracks.items() if t.get("parent") in streams}
+    gpu = [tracks[u] for u in streams]
     gpu_lines = [l for l in mine if l.get("type") in GPU_TYPES]
     got = sum(t.get("slices", 0) for t in gpu)
     check(got == len(gpu_lines), f"GPU slices {got} != gpu_* lines {len(gpu_lines)}")

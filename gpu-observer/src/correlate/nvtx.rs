@@ -89,6 +89,8 @@ const MAX_ENDED: usize = 65_536;
 const ENDED_AGE_NS: u64 = 30_000_000_000;
 /// Range ids remembered between start and end, all threads.
 const MAX_IDS: usize = 65_536;
+/// Ends waiting for their start.
+const MAX_EARLY: usize = 4096;
 /// Bytes charged to the CUPTI share of the memory budget for a kept range: the node (~100
 /// bytes) in its map, its key in the open or ended list, and a name of typical length.
 const NODE_COST: u64 = 192;
@@ -153,6 +155,11 @@ pub struct Nvtx {
     threads: HashMap<u32, Thread>,
     /// Where each open range is: id → (thread, key).
     ids: HashMap<u32, (u32, Key)>,
+    /// Ends that came before their start: id → (thread, time). CUPTI buffers each thread's
+    /// records apart, so a range ended on another thread can be delivered first (seen on the
+    /// H100 and in CUPTI's own order of records).
+    early: HashMap<u32, (u32, u64)>,
+    early_order: VecDeque<u32>,
     /// Bytes charged to the pool for the kept ranges.
     held: u64,
     pub stats: NvtxStats,
@@ -204,13 +211,43 @@ impl Nvtx {
             out.push(range(NvtxKind::Mark, name, domain, ts, None, 0));
         } else if rec.cbid & marker::START != 0 {
             let (name, domain) = self.take_name(id);
-            self.start(tid, id, ts, name, domain, pool);
+            self.start(tid, id, ts, name, domain, pool, out, pid, comm);
         } else if rec.cbid & marker::END != 0 {
             self.end(tid, id, ts, out, pid, comm, pool);
         }
     }
 
-    fn start(&mut self, tid: u32, id: u32, ts: u64, name: Arc<str>, domain: Option<Arc<str>>, pool: &mut Pool) {
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        &mut self,
+        tid: u32,
+        id: u32,
+        ts: u64,
+        name: Arc<str>,
+        domain: Option<Arc<str>>,
+        pool: &mut Pool,
+        out: &mut Vec<NvtxRange>,
+        pid: u32,
+        comm: [u8; 16],
+    ) {
+        if let Some((_, end)) = self.early.remove(&id) {
+            // Its end came first: ended before it could hold anything seen since, and (being
+            // delivered apart) on another thread: a process range.
+            self.stats.process_ranges += 1;
+            out.push(NvtxRange {
+                pid,
+                comm,
+                tid,
+                id,
+                kind: NvtxKind::Process,
+                name,
+                domain,
+                start_ns: ts,
+                end_ns: Some(end.max(ts)),
+                depth: 0,
+            });
+            return;
+        }
         if self.ids.len() >= MAX_IDS
             || (self.threads.len() >= MAX_THREADS && !self.threads.contains_key(&tid))
             || *pool.used + NODE_COST > pool.limit
@@ -254,7 +291,17 @@ impl Nvtx {
     #[allow(clippy::too_many_arguments)]
     fn end(&mut self, tid: u32, id: u32, ts: u64, out: &mut Vec<NvtxRange>, pid: u32, comm: [u8; 16], pool: &mut Pool) {
         let Some((start_tid, key)) = self.ids.remove(&id) else {
-            self.stats.unmatched_ends += 1;
+            // Its start may still come (another thread's buffer): wait for it, bounded.
+            if self.early.insert(id, (tid, ts)).is_none() {
+                self.early_order.push_back(id);
+            }
+            while self.early.len() > MAX_EARLY
+                && let Some(old) = self.early_order.pop_front()
+            {
+                if self.early.remove(&old).is_some() {
+                    self.stats.unmatched_ends += 1;
+                }
+            }
             return;
         };
         let Some(t) = self.threads.get_mut(&start_tid) else {
@@ -388,6 +435,9 @@ impl Nvtx {
                 depth: depth.unwrap_or(0) as u32,
             });
         }
+        self.stats.unmatched_ends += self.early.len() as u64;
+        self.early = HashMap::new();
+        self.early_order = VecDeque::new();
         self.threads = HashMap::new();
         *pool.used -= self.held;
         self.held = 0;
@@ -568,6 +618,7 @@ mod tests {
         let open: Vec<_> = out.iter().map(|r| (r.id, r.kind, r.end_ns, r.depth)).collect();
         assert_eq!(open, [(1, NvtxKind::Thread, None, 0), (2, NvtxKind::Thread, None, 1)]);
         let s = n.stats;
+        // The end of 99 waited for a start that never came: unmatched at the end.
         assert_eq!((s.unmatched_ends, s.unnamed, s.open_at_end), (1, 1, 2));
         assert_eq!(w.used, 0);
     }
@@ -607,5 +658,23 @@ mod tests {
         w.marker(marker::START, 1, 10, 100, None);
         assert_eq!(w.stack(10, 101).unwrap(), ["NCCL: AllReduce"]);
         assert_eq!(w.n.stats.unnamed, 0);
+    }
+
+    #[test]
+    fn an_end_delivered_before_its_start_makes_a_process_range() {
+        let mut w = World::new();
+        w.end(5, 11, 900); // nvtxRangeEnd on a helper thread, its buffer delivered first
+        w.start(1, 10, 150, "step");
+        w.start(5, 10, 100, "epoch");
+        w.end(1, 10, 200);
+        assert_eq!(
+            w.ended(),
+            [
+                (5, NvtxKind::Process, "epoch", 100, Some(900), 0),
+                (1, NvtxKind::Thread, "step", 150, Some(200), 0),
+            ]
+        );
+        assert_eq!(w.stack(10, 160).unwrap(), ["step"]);
+        assert_eq!(w.n.stats.unmatched_ends, 0);
     }
 }

@@ -58,25 +58,41 @@ const MAX_STREAMS: usize = 1024;
 /// Lanes of a stream or of the NVTX track: the track itself and three "overlap" tracks.
 const LANES: usize = 4;
 
-/// Where slices go on a track whose slices may overlap: the first lane whose last slice ended
-/// by this one's start. Placing a slice only after everything on its lane keeps every lane
-/// properly nested, whatever order the slices come in.
+/// Slices a lane remembers to test new ones against (the oldest by start go first). Records
+/// arrive out of order by up to CUPTI's flush period: a stream's records of two threads come in
+/// different buffers (seen on the H100: a PyTorch step's autograd thread).
+const LANE_MEMORY: usize = 4096;
+
+/// Where slices go on a track whose slices may overlap: the first lane where the slice meets
+/// none of the slices the lane holds, whatever order they came in. Slices that do not meet
+/// nest correctly on one track however trace_processor orders them.
 #[derive(Debug, Default)]
 struct Lanes {
-    ends: Vec<u64>,
+    /// Per lane: start → end of the slices placed (zero-length slices count as 1 ns).
+    lanes: Vec<std::collections::BTreeMap<u64, u64>>,
 }
 
 impl Lanes {
     fn place(&mut self, start: u64, end: u64) -> Option<usize> {
-        if let Some(i) = self.ends.iter().position(|&e| e <= start) {
-            self.ends[i] = end.max(start);
-            return Some(i);
+        let end = end.max(start.saturating_add(1));
+        let free = |l: &std::collections::BTreeMap<u64, u64>| {
+            l.range(..=start).next_back().is_none_or(|(_, &e)| e <= start)
+                && l.range(start..).next().is_none_or(|(&s, _)| s >= end)
+        };
+        let i = match self.lanes.iter().position(free) {
+            Some(i) => i,
+            None if self.lanes.len() < LANES => {
+                self.lanes.push(Default::default());
+                self.lanes.len() - 1
+            }
+            None => return None,
+        };
+        let l = &mut self.lanes[i];
+        l.insert(start, end);
+        if l.len() > LANE_MEMORY {
+            l.pop_first();
         }
-        if self.ends.len() < LANES {
-            self.ends.push(end.max(start));
-            return Some(self.ends.len() - 1);
-        }
-        None
+        Some(i)
     }
 }
 

@@ -297,18 +297,24 @@ fn a_torn_tail_leaves_every_whole_packet_readable() {
 }
 
 #[test]
-fn lanes_take_the_first_free_one_and_give_up_past_four() {
+fn lanes_take_the_first_one_the_slice_does_not_meet_and_give_up_past_four() {
     let mut l = Lanes::default();
     assert_eq!(l.place(0, 10), Some(0));
     assert_eq!(l.place(10, 20), Some(0));
     assert_eq!(l.place(15, 30), Some(1));
-    // Earlier than what lane 0 and 1 hold (out of order): a new lane, never inside them.
-    assert_eq!(l.place(5, 8), Some(2));
+    // Meets lane 0's [0, 10), not lane 1's [15, 30).
+    assert_eq!(l.place(5, 8), Some(1));
     assert_eq!(l.place(16, 17), Some(2));
     assert_eq!(l.place(16, 17), Some(3));
     assert_eq!(l.place(16, 17), None);
     assert_eq!(l.place(30, 31), Some(0));
-    assert_eq!(l.ends, [31, 30, 17, 17]);
+    // Out of order but meeting nothing: back on lane 0, between what it holds.
+    assert_eq!(l.place(40, 50), Some(0));
+    assert_eq!(l.place(31, 40), Some(0));
+    // A zero-length slice inside another is not beside it.
+    assert_eq!(l.place(45, 45), Some(1));
+    let starts: Vec<Vec<u64>> = l.lanes.iter().map(|m| m.keys().copied().collect()).collect();
+    assert_eq!(starts, [vec![0, 10, 30, 31, 40], vec![5, 15, 45], vec![16], vec![16]]);
 }
 
 #[test]
