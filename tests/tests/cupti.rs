@@ -168,11 +168,11 @@ fn join_test(env: &[(&'static str, &'static str)]) {
     w.cmd(&format!("run 2 2 {}", exp.display()));
     let stats = cupti_stats(&mut w);
     if env.is_empty() {
-        assert_eq!(stats["enabled_kinds"], serde_json::json!([1, 2, 10]), "{stats}");
+        assert_eq!(stats["enabled_kinds"], serde_json::json!([1, 2, 10, 12]), "{stats}");
         assert_eq!(stats["driver_apis"].as_u64(), Some(cupti::DRIVER_CBIDS.len() as u64));
         assert_eq!(stats["runtime_apis"].as_u64(), Some(cupti::RUNTIME_CBIDS.len() as u64));
     } else {
-        assert_eq!(stats["enabled_kinds"], serde_json::json!([1, 2, 4, 5, 10]), "{stats}");
+        assert_eq!(stats["enabled_kinds"], serde_json::json!([1, 2, 4, 5, 10, 12]), "{stats}");
         assert_eq!(
             (stats["driver_apis"].as_u64(), stats["runtime_apis"].as_u64()),
             (Some(0), Some(0))
@@ -225,7 +225,7 @@ fn without_an_observer_the_injection_library_collects_nothing() {
     let agent = Agent::start(&dir, &["--pid", &w.pid.to_string()]);
     agent.wait_stderr("CUPTI active", Duration::from_secs(10));
     let on = cupti_stats(&mut w);
-    assert_eq!(on["enabled_kinds"], serde_json::json!([1, 2, 10]), "{on}");
+    assert_eq!(on["enabled_kinds"], serde_json::json!([1, 2, 10, 12]), "{on}");
     assert_eq!(
         on["driver_apis"].as_u64(),
         Some(cupti::DRIVER_CBIDS.len() as u64),
