@@ -77,6 +77,7 @@ impl ProcessView {
             gpu: p.gpu.as_deref().map(|g| GpuView {
                 status: g.status,
                 stats: g.stats.clone(),
+                nvtx: g.nvtx.stats,
             }),
             anomalies,
         }
@@ -88,6 +89,8 @@ impl ProcessView {
 pub struct GpuView {
     pub status: Status,
     pub stats: GpuStats,
+    /// Its NVTX ranges and marks.
+    pub nvtx: crate::correlate::nvtx::NvtxStats,
 }
 
 /// What the main task knows and reports to the reader: ring-buffer drops, attach refusals.

@@ -216,8 +216,6 @@ pub struct GpuStats {
     /// Time at least one of the process's kernels, copies or memsets ran on a device, summed
     /// over devices: the union of their intervals (overlapping work counted once; busy.rs).
     pub busy_ns: u64,
-    /// Its NVTX ranges and marks.
-    pub nvtx: super::nvtx::NvtxStats,
 }
 
 impl GpuStats {
@@ -478,7 +476,6 @@ impl GpuState {
             }
             GpuRecordKind::Marker => {
                 self.nvtx.record(pid, comm, rec, nvtx_out, pool);
-                self.stats.nvtx = self.nvtx.stats;
                 None
             }
             GpuRecordKind::Kernel | GpuRecordKind::Memcpy | GpuRecordKind::Memset => {
@@ -745,7 +742,6 @@ impl GpuState {
             .as_ref()
             .and_then(|o| Some((o.tid, o.launch_ts_ns?)))
             .and_then(|(tid, ts)| self.nvtx.stack(tid, ts));
-        self.stats.nvtx = self.nvtx.stats;
         out.push(GpuActivity {
             pid,
             comm,

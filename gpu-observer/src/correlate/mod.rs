@@ -724,7 +724,6 @@ impl Correlator {
                 if let Some(g) = p.gpu.as_deref_mut() {
                     g.expire(ev.pid, comm, u64::MAX, &mut self.gpu_out, pool!());
                     g.nvtx.finish(ev.pid, comm, &mut self.nvtx_out, pool!());
-                    g.stats.nvtx = g.nvtx.stats;
                     // Its join state is of no more use: only the counters stay.
                     g.release(pool!());
                 }
@@ -900,7 +899,6 @@ impl Correlator {
             } else {
                 // The end of the run: ranges still open go out unended.
                 g.nvtx.finish(p.pid, comm, &mut self.nvtx_out, &mut pool);
-                g.stats.nvtx = g.nvtx.stats;
             }
         }
     }

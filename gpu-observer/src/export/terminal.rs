@@ -673,7 +673,7 @@ fn gpu_summary(out: &mut String, g: &GpuView) {
         CuptiState::name_of(st.state),
         CuptiState::message_of(st.state)
     );
-    let n = &s.nvtx;
+    let n = &g.nvtx;
     let ranges = n.thread_ranges + n.process_ranges + n.marks + n.open_at_end;
     if ranges > 0 {
         let _ = writeln!(

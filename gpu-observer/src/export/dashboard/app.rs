@@ -591,6 +591,7 @@ mod tests {
             p.gpu = Some(GpuView {
                 status: Default::default(),
                 stats: g,
+                nvtx: Default::default(),
             });
             p.leaks = vec![Leak {
                 api: "cuMemAlloc_v2",

@@ -197,7 +197,7 @@ impl<W: Write> JsonlWriter<W> {
             write!(o, ",\"count\":{count},\"gpu_ns\":{ns}}}")?;
         }
         o.write_all(b"]")?;
-        let n = &s.nvtx;
+        let n = &g.nvtx;
         write!(
             o,
             ",\"nvtx\":{{\"state\":\"{}\",\"thread_ranges\":{},\"process_ranges\":{},\"marks\":{},\"open_at_end\":{},\"unmatched_ends\":{},\"unnamed\":{},\"evicted\":{},\"gpu_records_with_stack\":{}}}}}",

@@ -417,11 +417,10 @@ fn overlapping_gpu_records_go_to_overlap_lanes() {
     assert_eq!(d.parent_uuid, Some(lane(0)));
 }
 
-#[test]
-fn calls_are_slices_with_their_ioctls_inside_and_abandoned_calls_instants() {
-    let mut s = sink();
-    let ioctl = ev(
-        1100,
+/// An RM control ioctl of thread 101 inside its cuMemcpyHtoD_v2, 50 ns from `ts`.
+fn rm_control(ts: u64, device: Option<Arc<str>>) -> Event {
+    ev(
+        ts,
         101,
         "cuMemcpyHtoD_v2",
         Body::Ioctl(Ioctl {
@@ -432,9 +431,15 @@ fn calls_are_slices_with_their_ioctls_inside_and_abandoned_calls_instants() {
             ret: 0,
             parent: Some(spec("cuMemcpyHtoD_v2")),
             name: Some("NV_ESC_RM_CONTROL"),
-            device: None,
+            device,
         }),
-    );
+    )
+}
+
+#[test]
+fn calls_are_slices_with_their_ioctls_inside_and_abandoned_calls_instants() {
+    let mut s = sink();
+    let ioctl = rm_control(1100, None);
     let mut ioctl2 = ioctl.clone();
     ioctl2.ts_ns = 1200;
     if let Body::Ioctl(i) = &mut ioctl2.body {
@@ -579,21 +584,7 @@ fn sample() {
     s.event(&launch(1000, "cuLaunchKernel")).unwrap();
     s.gpu(&kernel(1500, 1600, 7, Some(("cuLaunchKernel", 1000)))).unwrap();
     s.gpu(&kernel(1550, 1650, 7, None)).unwrap();
-    let ioctl = ev(
-        2100,
-        101,
-        "cuMemcpyHtoD_v2",
-        Body::Ioctl(Ioctl {
-            fd: 3,
-            cmd: 0xc020_462a,
-            arg: 0,
-            duration_ns: 50,
-            ret: 0,
-            parent: Some(spec("cuMemcpyHtoD_v2")),
-            name: Some("NV_ESC_RM_CONTROL"),
-            device: Some("/dev/nvidiactl".into()),
-        }),
-    );
+    let ioctl = rm_control(2100, Some("/dev/nvidiactl".into()));
     s.event(&ioctl).unwrap();
     s.event(&ev(
         2000,
