@@ -774,19 +774,31 @@ fn runtime_name(name: &'static str) -> &'static str {
 
 /// CUPTI_ACTIVITY_MEMCPY_KIND_* as written in JSON.
 pub fn copy_kind_name(k: u32) -> &'static str {
-    match k {
-        1 => "htod",
-        2 => "dtoh",
-        3 => "htoa",
-        4 => "atoh",
-        5 => "atoa",
-        6 => "atod",
-        7 => "dtoa",
-        8 => "dtod",
-        9 => "htoh",
-        10 => "ptop",
-        _ => "unknown",
-    }
+    copy_kind(k).map_or("unknown", |c| c.0)
+}
+
+/// A copy as the timeline and the flamegraph name it (`memcpy HtoD`); None for a kind CUPTI
+/// did not name.
+pub fn copy_label(k: u32) -> Option<&'static str> {
+    copy_kind(k).map(|c| c.1)
+}
+
+/// CUPTI_ACTIVITY_MEMCPY_KIND_* 1..=10: (JSON name, label).
+const COPY_KINDS: [(&str, &str); 10] = [
+    ("htod", "memcpy HtoD"),
+    ("dtoh", "memcpy DtoH"),
+    ("htoa", "memcpy HtoA"),
+    ("atoh", "memcpy AtoH"),
+    ("atoa", "memcpy AtoA"),
+    ("atod", "memcpy AtoD"),
+    ("dtoa", "memcpy DtoA"),
+    ("dtod", "memcpy DtoD"),
+    ("htoh", "memcpy HtoH"),
+    ("ptop", "memcpy PtoP"),
+];
+
+fn copy_kind(k: u32) -> Option<&'static (&'static str, &'static str)> {
+    COPY_KINDS.get((k as usize).checked_sub(1)?)
 }
 
 /// CUPTI_ACTIVITY_MEMORY_KIND_* as written in JSON.

@@ -344,9 +344,8 @@ impl Sink for FlamegraphSink {
                 }
             }
             Some(GpuRecordKind::Memcpy) => {
-                sep(&mut self.key);
-                self.key.push_str("memcpy ");
-                self.key.push_str(copy_kind(a.rec.copy_kind));
+                let label = crate::correlate::cupti_join::copy_label(a.rec.copy_kind);
+                push_frame_raw(&mut self.key, label.unwrap_or("memcpy (kind unknown)"));
             }
             _ => push_frame_raw(&mut self.key, "memset"),
         }
@@ -364,23 +363,6 @@ impl Sink for FlamegraphSink {
 
     fn summary(&mut self, _s: &Summary<'_>) -> Result<()> {
         self.write()
-    }
-}
-
-/// A copy's direction as the flamegraph names it (CUPTI_ACTIVITY_MEMCPY_KIND_*).
-fn copy_kind(k: u32) -> &'static str {
-    match k {
-        1 => "HtoD",
-        2 => "DtoH",
-        3 => "HtoA",
-        4 => "AtoH",
-        5 => "AtoA",
-        6 => "AtoD",
-        7 => "DtoA",
-        8 => "DtoD",
-        9 => "HtoH",
-        10 => "PtoP",
-        _ => "(kind unknown)",
     }
 }
 

@@ -203,23 +203,6 @@ fn counter_descriptor(name: String, parent: u64, unit: Unit) -> TrackDescriptor 
     }
 }
 
-/// How a copy's kind reads on a timeline.
-fn memcpy_name(kind: u32) -> &'static str {
-    match crate::correlate::cupti_join::copy_kind_name(kind) {
-        "htod" => "memcpy HtoD",
-        "dtoh" => "memcpy DtoH",
-        "htoa" => "memcpy HtoA",
-        "atoh" => "memcpy AtoH",
-        "atoa" => "memcpy AtoA",
-        "atod" => "memcpy AtoD",
-        "dtoa" => "memcpy DtoA",
-        "dtod" => "memcpy DtoD",
-        "htoh" => "memcpy HtoH",
-        "ptop" => "memcpy PtoP",
-        _ => "memcpy",
-    }
-}
-
 /// `[x,y,z]`, as JSON lines write a launch shape.
 struct Dim3<T>([T; 3]);
 
@@ -496,7 +479,7 @@ impl<W: Write> PerfettoSink<W> {
                 .as_ref()
                 .or(a.origin.as_ref().and_then(|o| o.kernel.as_ref()))
                 .map_or("kernel", |k| &k.demangled),
-            Some(GpuRecordKind::Memcpy) => memcpy_name(r.copy_kind),
+            Some(GpuRecordKind::Memcpy) => crate::correlate::cupti_join::copy_label(r.copy_kind).unwrap_or("memcpy"),
             Some(GpuRecordKind::Memset) => "memset",
             _ => return Ok(None),
         };
