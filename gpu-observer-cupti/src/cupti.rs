@@ -25,6 +25,10 @@ pub type TimestampFn = extern "C" fn() -> u64;
 pub type NvtxGetExportTable = unsafe extern "C" fn(u32) -> *const c_void;
 /// `NvtxInitializeInjectionNvtxFunc_t`: returns 0 when the tool cannot take NVTX's calls.
 pub type NvtxInit = unsafe extern "C" fn(Option<NvtxGetExportTable>) -> c_int;
+/// `CUpti_CallbackFunc` (cupti_callbacks.h).
+pub type CallbackFunc = extern "C" fn(*mut c_void, u32, u32, *const c_void);
+pub type Subscribe = unsafe extern "C" fn(*mut *mut c_void, CallbackFunc, *mut c_void) -> CuptiResult;
+pub type Unsubscribe = unsafe extern "C" fn(*mut c_void) -> CuptiResult;
 
 /// The resolved entry points. The library handle is kept for the life of the process.
 pub struct Cupti {
@@ -42,6 +46,8 @@ pub struct Cupti {
     pub enable_runtime_api: Option<unsafe extern "C" fn(u32, u8) -> CuptiResult>,
     /// CUPTI as the process's NVTX tool (`InitializeInjectionNvtx2`, nvtxTypes.h).
     pub nvtx_init: Option<NvtxInit>,
+    /// The callback API's subscription, only to ask whether another tool holds CUPTI.
+    subscribe: Option<(Subscribe, Unsubscribe)>,
     result_string: Option<unsafe extern "C" fn(CuptiResult, *mut *const c_char) -> CuptiResult>,
 }
 
@@ -62,8 +68,18 @@ fn candidates(override_path: Option<&str>) -> Vec<String> {
 }
 
 impl Cupti {
-    /// Loads libcupti and resolves every entry point, or says why it could not.
+    /// Loads libcupti and resolves every entry point, or says why it could not. A libcupti the
+    /// process already loaded comes first (a PyTorch wheel's, say): two CUPTIs in one process
+    /// would each see part of the work.
     pub fn load(override_path: Option<&str>) -> Result<Self, String> {
+        for soname in ["libcupti.so.13", "libcupti.so.12", "libcupti.so"] {
+            let flags = libc::RTLD_NOW | libc::RTLD_NOLOAD;
+            // SAFETY: RTLD_NOLOAD only finds a library already loaded (its initializers ran).
+            let loaded = unsafe { libloading::os::unix::Library::open(Some(soname), flags) };
+            if let Ok(lib) = loaded {
+                return Self::resolve(soname.to_string(), lib.into());
+            }
+        }
         let mut errors = Vec::new();
         for path in candidates(override_path) {
             // SAFETY: loading CUPTI runs its initializers, which is what loading it is for;
@@ -102,8 +118,37 @@ impl Cupti {
             // SAFETY: NVTX's injection entry point, with this signature in nvtxTypes.h; CUPTI
             // exports it to be the NVTX tool.
             nvtx_init: unsafe { lib.get(b"InitializeInjectionNvtx2\0") }.ok().map(|s| *s),
+            // SAFETY: as above (cupti_events.h / cupti_callbacks.h signatures).
+            subscribe: unsafe { lib.get::<Subscribe>(b"cuptiSubscribe\0") }
+                .ok()
+                .map(|s| *s)
+                // SAFETY: as above.
+                .zip(
+                    unsafe { lib.get::<Unsubscribe>(b"cuptiUnsubscribe\0") }
+                        .ok()
+                        .map(|s| *s),
+                ),
             _lib: lib,
         })
+    }
+
+    /// Whether another tool subscribed to CUPTI's callbacks (CUPTI allows one subscriber): a
+    /// subscription is tried and, when it succeeds, dropped at once.
+    pub fn another_subscriber(&self) -> bool {
+        let Some((subscribe, unsubscribe)) = self.subscribe else {
+            return false;
+        };
+        let mut handle: *mut c_void = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and a callback that does nothing (it is never enabled for
+        // any domain, and the subscription is dropped before this returns).
+        match unsafe { subscribe(&mut handle, ignore_callback, std::ptr::null_mut()) } {
+            SUCCESS => {
+                // SAFETY: the handle CUPTI just returned.
+                unsafe { unsubscribe(handle) };
+                false
+            }
+            r => r == MULTIPLE_SUBSCRIBERS,
+        }
     }
 
     /// CUPTI's own name of a result, for messages.
@@ -120,3 +165,5 @@ impl Cupti {
         format!("CUPTI error {r}")
     }
 }
+
+extern "C" fn ignore_callback(_: *mut c_void, _: u32, _: u32, _: *const c_void) {}

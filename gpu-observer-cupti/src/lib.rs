@@ -14,6 +14,15 @@
 //!   `catch_unwind`, every failure leaves the process running without GPU timestamps, and the
 //!   observer is told why (a status record).
 //!
+//! Loaded late: `gpu-observer --pid N --gpu-timing` injects this library into a process that is
+//! already running (docs/DESIGN.md "GPU timing for a running process"): it is `dlopen`ed from
+//! `/proc/self/fd/N` (a memfd) by a thread the observer borrowed, which may hold driver locks.
+//! So the constructor only starts the control thread; that thread loads CUPTI and enables
+//! activity on the contexts that exist, and only while the observer also sets
+//! [`gpu_observer_cupti_control`] to `ON` (attaching without `--gpu-timing` never turns CUPTI
+//! on). Withdrawing sets it back to `OFF`: activity is flushed and disabled and the library
+//! stays, idle, until an observer turns it on again.
+//!
 //! Settings (environment; `gpu-observer run` sets them from its flags):
 //! `GPU_OBSERVER_CUDA_BUFFER_SIZE` (activity buffer bytes, default 8 MiB; docs/DESIGN.md "Defaults"),
 //! `GPU_OBSERVER_CUPTI_RATE_LIMIT` (records per second forwarded, default 1 000 000, 0 = none),
@@ -34,7 +43,7 @@ use std::{
 };
 
 use gpu_observer_common::cupti::{
-    CuptiState, GpuRecord, GpuRecordKind, MAX_BATCH, NvtxState, device_aux, marker, status_aux,
+    CuptiState, GpuRecord, GpuRecordKind, MAX_BATCH, NvtxState, control, device_aux, marker, status_aux,
 };
 
 use crate::{
@@ -59,6 +68,66 @@ pub struct Semaphore {
 #[unsafe(link_section = ".probes")]
 #[allow(non_upper_case_globals)]
 pub static mut gpu_observer_cupti_semaphore: Semaphore = Semaphore { count: 0 };
+
+/// Written by an observer that injected this library (`gpu_observer_common::cupti::control`);
+/// read only when the library was injected into a running process ([`LATE`]).
+#[unsafe(no_mangle)]
+#[unsafe(link_section = ".probes")]
+#[allow(non_upper_case_globals)]
+pub static mut gpu_observer_cupti_control: u32 = control::OFF;
+
+/// Loaded into a running process by `gpu-observer --gpu-timing` (from a memfd), not by the
+/// CUDA driver.
+static LATE: AtomicBool = AtomicBool::new(false);
+
+/// Runs when the library is loaded, whoever loads it. Only a late load does anything: it starts
+/// the control thread and returns (no CUDA or CUPTI call here: the loading thread may hold the
+/// driver's locks, and the loader's lock is held until this returns). Under
+/// `CUDA_INJECTION64_PATH` the driver calls [`InitializeInjection`] instead.
+extern "C" fn on_load() {
+    let _ = catch_unwind(|| {
+        if loaded_from_memfd() {
+            LATE.store(true, Relaxed);
+            spawn_control();
+        }
+    });
+}
+
+#[used]
+#[unsafe(link_section = ".init_array")]
+static ON_LOAD: extern "C" fn() = on_load;
+
+/// Whether this library was opened as `/proc/self/fd/N`: what the observer's injection does,
+/// and no other loader of it (`CUDA_INJECTION64_PATH`, `NVTX_INJECTION64_PATH`) names a memfd.
+fn loaded_from_memfd() -> bool {
+    let mut info = libc::Dl_info {
+        dli_fname: std::ptr::null(),
+        dli_fbase: std::ptr::null_mut(),
+        dli_sname: std::ptr::null(),
+        dli_saddr: std::ptr::null_mut(),
+    };
+    // SAFETY: dladdr reads the loader's tables for an address inside this library and fills a
+    // valid out-struct; the name it points to lives as long as the library.
+    if unsafe { libc::dladdr(on_load as *const c_void, &mut info) } == 0 || info.dli_fname.is_null() {
+        return false;
+    }
+    // SAFETY: non-null, NUL-terminated (see above).
+    unsafe { CStr::from_ptr(info.dli_fname) }
+        .to_bytes()
+        .starts_with(b"/proc/self/fd/")
+}
+
+/// Whether the observer that injected this library wants GPU timing now.
+fn switched_on() -> bool {
+    // SAFETY: a plain read of a u32 the observer may write at any time (through
+    // /proc/<pid>/mem); volatile so each check sees the current value.
+    unsafe { std::ptr::read_volatile(&raw const gpu_observer_cupti_control) == control::ON }
+}
+
+/// Whether to collect: an observer is attached and, for a late load, has switched it on.
+fn wanted() -> bool {
+    observed() && (!LATE.load(Relaxed) || switched_on())
+}
 
 /// Whether an observer is attached now.
 fn observed() -> bool {
@@ -269,6 +338,13 @@ fn init() -> Injection {
             return inj(None, CuptiState::NoCupti, 0);
         }
     };
+    // Injected late into a running process, CUPTI may already serve another tool (an
+    // in-process profiler, nsys): registering our buffers would take its records away. A
+    // subscriber probe says so without touching its state; the process is then left alone.
+    if LATE.load(Relaxed) && c.another_subscriber() {
+        warn("another profiler holds CUPTI (CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED)");
+        return inj(Some(c), CuptiState::Busy, cupti::MULTIPLE_SUBSCRIBERS);
+    }
     // The clock first: CUPTI requires it before any activity kind is enabled.
     // SAFETY: CUPTI entry points called with the arguments their headers specify.
     let setup = unsafe {
@@ -302,7 +378,13 @@ fn warn(msg: &str) {
     }
 }
 
+/// Starts the control thread, once per process (the driver's `InitializeInjection` and a late
+/// load each ask for it).
 fn spawn_control() {
+    static STARTED: AtomicBool = AtomicBool::new(false);
+    if STARTED.swap(true, Relaxed) {
+        return;
+    }
     let _ = std::thread::Builder::new().name("gpu-observer-cupti".into()).spawn(|| {
         let _ = catch_unwind(control);
     });
@@ -311,18 +393,23 @@ fn spawn_control() {
 /// Follows the semaphore: enable when an observer comes, flush while it stays, disable when
 /// it goes. Also re-sends the device table and status to each new observer.
 fn control() {
-    // The driver calls InitializeInjection before INJECTION is set: wait for it.
-    let inj = loop {
-        if let Some(i) = INJECTION.get() {
-            break i;
+    let inj = if LATE.load(Relaxed) {
+        // A late load: CUDA is up, and this thread holds nothing; set CUPTI up here.
+        INJECTION.get_or_init(init)
+    } else {
+        // The driver calls InitializeInjection before INJECTION is set: wait for it.
+        loop {
+            if let Some(i) = INJECTION.get() {
+                break i;
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
-        std::thread::sleep(Duration::from_millis(10));
     };
     let mut was_observed = false;
     let mut last_flush = Instant::now();
     let mut last_status = Instant::now();
     loop {
-        let now_observed = observed();
+        let now_observed = wanted();
         if now_observed && !was_observed {
             inj.names_sent.lock().map(|mut n| n.clear()).ok();
             // The device table first: a kernel record that reached the agent before it would
@@ -334,6 +421,10 @@ fn control() {
             last_status = Instant::now();
         } else if !now_observed && was_observed {
             stop(inj);
+            // A withdraw (the observer is still attached) learns that the last records are out.
+            if observed() {
+                send_status(inj);
+            }
         } else if now_observed {
             if inj.enabled.load(Relaxed) && last_flush.elapsed() >= inj.cfg.flush {
                 flush(inj, 0);

@@ -125,6 +125,18 @@ pub struct Cli {
     #[arg(long, value_name = "PATH", global = true)]
     pub cupti_lib: Option<PathBuf>,
 
+    /// With `--pid`: GPU start/end times for a process that is already running. The CUPTI
+    /// injection library is loaded into it (ptrace, one thread borrowed for well under a
+    /// millisecond; needs CAP_SYS_PTRACE) and switched on; when the observer stops it is
+    /// switched off (flushed, idle, still loaded) and the process runs on as before.
+    #[arg(long, global = true)]
+    pub gpu_timing: bool,
+
+    /// With `--gpu-timing`: switch GPU timing off after this long (e.g. 10s) and go on
+    /// observing with uprobes only.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, global = true)]
+    pub gpu_timing_for: Option<f64>,
+
     /// `run` without the CUPTI injection library: uprobes only.
     #[arg(long, global = true)]
     pub no_cupti: bool,

@@ -58,6 +58,8 @@ pub enum Request {
     Agent(AgentStats),
     /// Verdicts to write (the main task judges windows from the snapshots).
     Verdicts(u64, Vec<ProcessVerdict>),
+    /// What `--gpu-timing` did to a process, to write.
+    GpuTiming(crate::export::GpuTimingNote),
     /// Drain what is left, publish the last snapshot, and give the sinks back.
     Stop,
 }
@@ -81,6 +83,8 @@ pub struct Pipeline {
     last_flush: u64,
     last_memory: u64,
     last_publish: u64,
+    /// The last batch: launches still waiting for a name go out.
+    finishing: bool,
 }
 
 impl Pipeline {
@@ -112,6 +116,7 @@ impl Pipeline {
             last_flush: now_ns,
             last_memory: now_ns,
             last_publish: 0,
+            finishing: false,
         }
     }
 
@@ -137,6 +142,7 @@ impl Pipeline {
                 self.exited.push(ev.pid);
             }
         }
+        corr.settle_held(&mut self.batch, if self.finishing { u64::MAX } else { monotonic_ns() });
         std::mem::swap(&mut self.gpu, &mut corr.gpu_out);
         std::mem::swap(&mut self.changes, &mut corr.cupti_changes);
         std::mem::swap(&mut self.nvtx, &mut corr.nvtx_out);
@@ -288,6 +294,11 @@ impl Pipeline {
         match r {
             Request::Stop => return Ok(true),
             Request::Agent(a) => self.agent = Arc::new(a),
+            Request::GpuTiming(n) => {
+                for s in &mut self.sinks {
+                    s.gpu_timing(&n).with_context(|| failed(&**s))?;
+                }
+            }
             Request::Verdicts(ts_ns, vs) => {
                 for s in &mut self.sinks {
                     for v in &vs {
@@ -310,6 +321,7 @@ impl Pipeline {
     /// The end of the run: everything pending goes out, the last snapshot is published, and
     /// the sinks come back for the summary.
     pub fn finish(mut self, now_ns: u64) -> Result<Finished> {
+        self.finishing = true;
         self.end_batch()?;
         self.tick(now_ns, true)?;
         let last = self.publish(now_ns, true);

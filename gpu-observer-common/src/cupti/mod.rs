@@ -23,6 +23,23 @@ pub const NAME_SYMBOL: &str = "gpu_observer_cupti_name";
 pub const SEMAPHORE_SYMBOL: &str = "gpu_observer_cupti_semaphore";
 /// File name of the injection library (`CUDA_INJECTION64_PATH`).
 pub const LIBRARY_FILE: &str = "libgpu_observer_cupti.so";
+/// `uint32_t` an observer writes (through `/proc/<pid>/mem`) to switch a library it injected
+/// into a running process (`--gpu-timing`) on and off: see [`control`].
+pub const CONTROL_SYMBOL: &str = "gpu_observer_cupti_control";
+/// Name of the memfd an injected library is loaded from: `/proc/<pid>/maps` shows its
+/// mappings as `/memfd:gpu-observer-cupti (deleted)`.
+pub const MEMFD_NAME: &str = "gpu-observer-cupti";
+
+/// Values of [`CONTROL_SYMBOL`]. A library loaded through `CUDA_INJECTION64_PATH` collects
+/// whenever an observer is attached and ignores the word; one injected late collects only
+/// while an observer is attached *and* the word is [`control::ON`], so that attaching without
+/// `--gpu-timing` never turns CUPTI on in a process that did not ask for it.
+pub mod control {
+    /// Not collecting (the state after injection and after a withdraw).
+    pub const OFF: u32 = 0;
+    /// Collect while an observer is attached.
+    pub const ON: u32 = 1;
+}
 
 /// Records per hook call; the eBPF program copies at most this many.
 pub const MAX_BATCH: u32 = 32;
@@ -178,7 +195,7 @@ pub enum CuptiState {
     NoCupti = 3,
     /// A CUPTI call failed (its result is in the record).
     Failed = 4,
-    /// The observer went away: collection stopped.
+    /// The observer went away (or withdrew): collection stopped.
     Idle = 5,
 }
 

@@ -194,8 +194,12 @@ impl Attacher {
     /// file refused for the user's limit, refused again for it: not counted or said again.
     fn attach_mapped(&mut self, lib: &MappedLibrary, uid: u32, quiet: bool) -> Seen {
         let whose = format!(", mapped by pid {} of uid {uid}", lib.pid);
-        let (pid, path, ino) = (lib.pid, lib.path.clone(), lib.mapping.ino);
-        let attempt = symbols::time_boxed(&lib.path, move || open::open_mapped(pid, &path, ino)).and_then(|opened| {
+        let (pid, path, ino, range) = (lib.pid, lib.path.clone(), lib.mapping.ino, lib.range);
+        let attempt = symbols::time_boxed(&lib.path, move || match range {
+            Some((start, end)) => open::open_map_file(pid, start, end, ino, &path),
+            None => open::open_mapped(pid, &path, ino),
+        })
+        .and_then(|opened| {
             if self.probes.is_attached(&opened.key) {
                 return Ok(opened.key);
             }

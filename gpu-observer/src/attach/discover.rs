@@ -26,6 +26,9 @@ pub struct MappedLibrary {
     pub path: String,
     /// The mapping's identity as its maps line gives it.
     pub mapping: MappingId,
+    /// A library with no path (the memfd `--gpu-timing` loads from): the address range of
+    /// one of its mappings, opened through `/proc/<pid>/map_files`.
+    pub range: Option<(u64, u64)>,
 }
 
 /// A mapped file as `/proc/<pid>/maps` names it: device (major:minor, as written there) and
@@ -77,7 +80,10 @@ pub fn scan_pid(pid: u32) -> Vec<MappedLibrary> {
 fn parse_maps(pid: u32, maps: &[u8]) -> Vec<MappedLibrary> {
     let mut found: Vec<MappedLibrary> = Vec::new();
     // Cheap reject first: most processes never map libcuda.
-    if !contains(maps, b"libcuda.so") && !contains(maps, b"libgpu_observer_cupti") {
+    if !contains(maps, b"libcuda.so")
+        && !contains(maps, b"libgpu_observer_cupti")
+        && !contains(maps, b"/memfd:gpu-observer")
+    {
         return found;
     }
     for line in maps.split(|&b| b == b'\n') {
@@ -86,14 +92,19 @@ fn parse_maps(pid: u32, maps: &[u8]) -> Vec<MappedLibrary> {
         };
         // address perms offset dev inode path
         let mut fields = line.splitn(6, ' ');
-        let (Some(dev), Some(Ok(ino))) = (fields.nth(3), fields.next().map(str::parse::<u64>)) else {
+        let range = fields
+            .next()
+            .and_then(|r| r.split_once('-'))
+            .and_then(|(a, b)| Some((u64::from_str_radix(a, 16).ok()?, u64::from_str_radix(b, 16).ok()?)));
+        let (Some(dev), Some(Ok(ino))) = (fields.nth(2), fields.next().map(str::parse::<u64>)) else {
             continue;
         };
         let path = fields.next().map(str::trim_start).unwrap_or("");
-        if !path.starts_with('/') || path.ends_with(" (deleted)") || ino == 0 {
+        let injected = super::inject::is_injected(path);
+        if !path.starts_with('/') || (path.ends_with(" (deleted)") && !injected) || ino == 0 {
             continue;
         }
-        let Some(kind) = kind_of(path) else {
+        let Some(kind) = (if injected { Some(LibKind::Hooks) } else { kind_of(path) }) else {
             continue;
         };
         let mapping = MappingId {
@@ -108,6 +119,7 @@ fn parse_maps(pid: u32, maps: &[u8]) -> Vec<MappedLibrary> {
             pid,
             path: path.to_string(),
             mapping,
+            range: if injected { range } else { None },
         });
     }
     found
@@ -179,7 +191,9 @@ mod tests {
 7f03-7f04 r--p 00000000 00:2a 98 /home/u/x/libcuda.so.2 (deleted)\n\
 7f04-7f05 rw-p 00000000 00:00 0 \n\
 7f05-7f06 r--p 00000000 08:02 77 /opt/libgpu_observer_cupti.so\n\
-7f06-7f07 r--p 00000000 08:02 76 /usr/lib/libc.so.6\n";
+7f06-7f07 r--p 00000000 08:02 76 /usr/lib/libc.so.6\n\
+7f08-7f09 r--p 00000000 00:01 194 /memfd:gpu-observer-cupti (deleted)\n\
+7f09-7f0a r--p 00000000 00:01 195 /memfd:other (deleted)\n";
         let got = parse_maps(5, maps);
         let ids: Vec<(LibKind, &str, &str, u64)> = got
             .iter()
@@ -191,9 +205,13 @@ mod tests {
                 (LibKind::Cuda, "/usr/lib/libcuda.so.1", "fd:01", 1234),
                 (LibKind::Cuda, "/home/u/x/libcuda.so.580.1", "00:2a", 99),
                 (LibKind::Hooks, "/opt/libgpu_observer_cupti.so", "08:02", 77),
+                (LibKind::Hooks, "/memfd:gpu-observer-cupti (deleted)", "00:01", 194),
             ]
         );
         assert!(got.iter().all(|l| l.pid == 5));
+        // Only the memfd (which has no path to open) is opened through its address range.
+        let ranges: Vec<_> = got.iter().map(|l| l.range).collect();
+        assert_eq!(ranges, [None, None, None, Some((0x7f08, 0x7f09))]);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 pub mod attacher;
 pub mod discover;
 pub mod follow;
+pub mod inject;
 mod multi;
 pub mod open;
 pub mod stats;

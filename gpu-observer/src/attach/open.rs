@@ -287,6 +287,22 @@ pub fn open_mapped(pid: u32, path: &str, expected_ino: u64) -> Result<Opened, Re
     open_checked(o_path, &shown, Some(expected_ino))
 }
 
+/// Opens the file behind one mapping of process `pid` through `/proc/<pid>/map_files/`: the
+/// very file mapped (a memfd included), whatever its path means in the process's namespace,
+/// checked as [`open_mapped`] checks (a regular file of bounded size, the maps line's inode).
+pub fn open_map_file(pid: u32, start: u64, end: u64, expected_ino: u64, shown_path: &str) -> Result<Opened, Refused> {
+    let shown = format!("{shown_path} (in pid {pid})");
+    let unreachable = |e: io::Error| Refused::new(Reason::Unreachable, format!("{shown}: {e}"));
+    let link = cstr(format!("/proc/{pid}/map_files/{start:x}-{end:x}").as_bytes()).map_err(unreachable)?;
+    // SAFETY: link is a valid C string; O_PATH never opens the file itself.
+    let fd = unsafe { libc::open(link.as_ptr(), libc::O_PATH | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(unreachable(io::Error::last_os_error()));
+    }
+    // SAFETY: a successful open returns a new descriptor that we now own.
+    open_checked(unsafe { OwnedFd::from_raw_fd(fd) }, &shown, Some(expected_ino))
+}
+
 /// Opens a path the agent's own user named (`--libcuda`, `--nvml-lib`, the driver's usual
 /// paths, the injection library): symlinks followed as usual, but checked as a mapped file is —
 /// a FIFO or device is refused instead of blocking the agent in open().

@@ -164,10 +164,17 @@ fn precheck(data: &ReadCache<Bounded<'_>>, shown: &str) -> Result<(), Refused> {
     Ok(())
 }
 
-/// Parses the open library with bounded reads and calls `f` on each defined symbol (name, file
-/// offset: the symbol's place in its section, from the section's start in the file — what
-/// uprobes and uprobe reference counters take), dynamic symbols first.
-fn each_defined(opened: &Opened, shown: &str, mut f: impl FnMut(&str, u64)) -> Result<(), Refused> {
+/// A parse of an open library with bounded reads (sizes checked first, a byte budget, a
+/// deadline); `why` turns a failure into its refusal.
+fn with_elf<T>(
+    opened: &Opened,
+    shown: &str,
+    f: impl for<'d> FnOnce(
+        &ElfFile64<'d, Endianness, &'d ReadCache<Bounded<'_>>>,
+        &Cell<Option<Reason>>,
+        Instant,
+    ) -> Result<T, String>,
+) -> Result<T, Refused> {
     let fault = Cell::new(None);
     let deadline = Instant::now() + PARSE_TIMEOUT;
     let cache = ReadCache::new(Bounded {
@@ -192,17 +199,29 @@ fn each_defined(opened: &Opened, shown: &str, mut f: impl FnMut(&str, u64)) -> R
     };
     precheck(&cache, shown).map_err(|r| if fault.get().is_some() { why(r.detail) } else { r })?;
     let elf = ElfFile64::<Endianness, _>::parse(&cache).map_err(|e| why(e.to_string()))?;
+    f(&elf, &fault, deadline).map_err(why)
+}
+
+/// Calls `f` on each defined symbol of a parsed library (name, file offset: the symbol's place
+/// in its section, from the section's start in the file — what uprobes and uprobe reference
+/// counters take), dynamic symbols first.
+fn defined_in<'d>(
+    elf: &ElfFile64<'d, Endianness, &'d ReadCache<Bounded<'_>>>,
+    fault: &Cell<Option<Reason>>,
+    deadline: Instant,
+    mut f: impl FnMut(&str, u64),
+) -> Result<(), String> {
     for (n, sym) in elf.dynamic_symbols().chain(elf.symbols()).enumerate() {
         if n % 4096 == 0 && Instant::now() > deadline {
             fault.set(Some(Reason::ParseTimeout));
-            return Err(why(String::new()));
+            return Err(String::new());
         }
         if !sym.is_definition() {
             continue;
         }
         let Ok(name) = sym.name() else {
             if fault.get().is_some() {
-                return Err(why(String::new()));
+                return Err(String::new());
             }
             continue;
         };
@@ -221,6 +240,81 @@ fn each_defined(opened: &Opened, shown: &str, mut f: impl FnMut(&str, u64)) -> R
         }
     }
     Ok(())
+}
+
+/// Parses the open library with bounded reads and calls `f` on each defined symbol
+/// ([`defined_in`]).
+fn each_defined(opened: &Opened, shown: &str, f: impl FnMut(&str, u64)) -> Result<(), Refused> {
+    with_elf(opened, shown, |elf, fault, deadline| {
+        defined_in(elf, fault, deadline, f)
+    })
+}
+
+/// What loading a library into a running process needs to know of a library file
+/// (`attach::inject`): where some symbols are, which symbol versions it defines and needs,
+/// and where its code is.
+#[derive(Debug, Default)]
+pub struct ElfFacts {
+    /// File offsets of the wanted symbols that are defined (the first definition).
+    pub symbols: BTreeMap<String, u64>,
+    /// Version names it defines (a libc: `GLIBC_2.2.5` … `GLIBC_2.39`).
+    pub defines: Vec<String>,
+    /// (file, version) it needs (`libc.so.6`, `GLIBC_2.34`).
+    pub needs: Vec<(String, String)>,
+    /// File ranges of its executable `PT_LOAD` segments: [offset, offset + file size).
+    pub code: Vec<(u64, u64)>,
+}
+
+/// Most version definitions or needs read from one file (glibc defines ~50).
+const MAX_VERSIONS: usize = 4096;
+
+pub fn elf_facts(opened: &Opened, shown: &str, wanted: &[&str]) -> Result<ElfFacts, Refused> {
+    use object::{
+        elf::{PF_X, PT_LOAD},
+        read::elf::ProgramHeader,
+    };
+    with_elf(opened, shown, |elf, fault, deadline| {
+        let mut out = ElfFacts::default();
+        defined_in(elf, fault, deadline, |name, offset| {
+            if wanted.contains(&name) && !out.symbols.contains_key(name) {
+                out.symbols.insert(name.to_string(), offset);
+            }
+        })?;
+        let endian = elf.endian();
+        let data = elf.data();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        let sections = elf.elf_section_table();
+        if let Some((mut defs, link)) = sections.gnu_verdef(endian, data).map_err(|e| e.to_string())? {
+            let strings = sections.strings(endian, data, link).map_err(|e| e.to_string())?;
+            while let Some((_, mut aux)) = defs.next().map_err(|e| e.to_string())? {
+                if let Some(a) = aux.next().map_err(|e| e.to_string())?
+                    && out.defines.len() < MAX_VERSIONS
+                {
+                    out.defines
+                        .push(text(a.name(endian, strings).map_err(|e| e.to_string())?));
+                }
+            }
+        }
+        if let Some((mut needs, link)) = sections.gnu_verneed(endian, data).map_err(|e| e.to_string())? {
+            let strings = sections.strings(endian, data, link).map_err(|e| e.to_string())?;
+            while let Some((need, mut aux)) = needs.next().map_err(|e| e.to_string())? {
+                let file = text(need.file(endian, strings).map_err(|e| e.to_string())?);
+                while let Some(a) = aux.next().map_err(|e| e.to_string())? {
+                    if out.needs.len() < MAX_VERSIONS {
+                        out.needs
+                            .push((file.clone(), text(a.name(endian, strings).map_err(|e| e.to_string())?)));
+                    }
+                }
+            }
+        }
+        for ph in elf.elf_program_headers() {
+            if ph.p_type(endian) == PT_LOAD && ph.p_flags(endian) & PF_X != 0 {
+                let start = ph.p_offset(endian);
+                out.code.push((start, start.saturating_add(ph.p_filesz(endian))));
+            }
+        }
+        Ok(out)
+    })
 }
 
 /// The probed entry points of a libcuda file; refuses a file that lacks [`api::REQUIRED`].

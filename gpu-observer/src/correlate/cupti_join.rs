@@ -47,6 +47,9 @@ const RECENT_AGE_NS: u64 = 30_000_000_000;
 /// long-running process filled the whole table (hundreds of thousands of ids) over tens of
 /// minutes: the agent's memory grew all that time (the soak, docs/BENCHMARKS.md).
 const ORIGIN_AGE_NS: u64 = 60_000_000_000;
+/// Handle names learned from CUPTI between two looks of the correlator (it takes them after
+/// each record).
+const MAX_LEARNED: usize = 4096;
 /// Kernel names tracked for the per-process top list.
 const MAX_TOP: usize = 1024;
 /// CUPTI kernel names remembered per process.
@@ -96,6 +99,8 @@ pub struct Recent {
     pub ts_ns: u64,
     pub api: &'static ApiSpec,
     pub kernel: Option<Arc<KernelName>>,
+    /// A kernel launch's function handle (0 otherwise).
+    pub function: u64,
 }
 
 /// The call that put a correlation id's work on the GPU.
@@ -113,6 +118,8 @@ pub struct Origin {
     pub api_start_ns: u64,
     pub api_end_ns: u64,
     pub kernel: Option<Arc<KernelName>>,
+    /// The launched function handle, when the call was a kernel launch the uprobes saw.
+    pub function: u64,
 }
 
 /// A device's attributes, for theoretical occupancy.
@@ -282,6 +289,9 @@ pub struct GpuState {
     held: u64,
     /// Its NVTX ranges (nvtx.rs), for the stacks of its GPU records.
     pub nvtx: super::nvtx::Nvtx,
+    /// Handles named by CUPTI that the uprobes could not name (loaded before the observer
+    /// came): (function, name), taken by the correlator after each record.
+    pub learned: Vec<(u64, Arc<KernelName>)>,
 }
 
 impl GpuState {
@@ -556,6 +566,7 @@ impl GpuState {
             launch_ts_ns: found.as_ref().map(|r| r.ts_ns),
             api_start_ns: rec.start_ns,
             api_end_ns: rec.end_ns,
+            function: found.as_ref().map_or(0, |r| r.function),
             kernel: found.and_then(|r| r.kernel),
         };
         let waiting = self.pending.remove(&rec.correlation_id);
@@ -696,6 +707,15 @@ impl GpuState {
                     .get(&rec.name_key)
                     .cloned()
                     .or_else(|| origin.as_ref().and_then(|o| o.kernel.clone()));
+                // CUPTI names a handle the uprobes never saw named (loaded before the
+                // observer came): the correlator learns it (bounded until it takes them).
+                if let (Some(k), Some(o)) = (&kernel, &origin)
+                    && o.kernel.is_none()
+                    && o.function != 0
+                    && self.learned.len() < MAX_LEARNED
+                {
+                    self.learned.push((o.function, k.clone()));
+                }
                 if let Some(k) = &kernel {
                     if let Some(e) = s.by_kernel.get_mut(&*k.demangled) {
                         e.0 += 1;
@@ -889,6 +909,7 @@ mod tests {
 
     fn launch(ts: u64) -> Recent {
         Recent {
+            function: 0,
             ts_ns: ts,
             api: api::by_id(api::id_of("cuLaunchKernel").unwrap()).unwrap(),
             kernel: Some(Arc::new(KernelName::new("k"))),
@@ -1003,6 +1024,7 @@ mod tests {
         let mut c = Counts::default();
         let mut out = Vec::new();
         let ex = Recent {
+            function: 0,
             ts_ns: 2_000,
             api: api::by_id(api::id_of("cuLaunchKernelEx").unwrap()).unwrap(),
             kernel: None,

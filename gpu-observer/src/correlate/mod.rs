@@ -13,7 +13,10 @@ use std::{
     sync::Arc,
 };
 
-use gpu_observer_common::api::{Direction, Family, MemKind};
+use gpu_observer_common::{
+    api::{Direction, Family, MemKind},
+    cupti::CuptiState,
+};
 
 use crate::{
     decode::{Body, Call, Event, HostMemory, KernelName},
@@ -22,6 +25,7 @@ use crate::{
 
 mod busy;
 pub mod cupti_join;
+pub mod late_names;
 pub mod nvtx;
 
 use cupti_join::{GpuActivity, GpuState, Pool, Recent, Status};
@@ -536,6 +540,8 @@ pub struct Correlator {
     pub cupti_changes: Vec<CuptiChange>,
     /// NVTX ranges and marks finished since the last drain.
     pub nvtx_out: Vec<nvtx::NvtxRange>,
+    /// Launches waiting for CUPTI to name their handle.
+    pub held: late_names::Held,
     lookup: Box<dyn Lookup>,
 }
 
@@ -557,6 +563,7 @@ impl Correlator {
             gpu_out: Vec::new(),
             cupti_changes: Vec::new(),
             nvtx_out: Vec::new(),
+            held: Default::default(),
             lookup: Box::new(NoLookup),
         }
     }
@@ -573,6 +580,13 @@ impl Correlator {
         self.budget = Budget::derive(mb, 0, 0);
         self.pending_limit = Some((mb, u64::from(ring_bytes)));
         self
+    }
+
+    /// Launches that waited for their name and may go now (late_names.rs), appended to
+    /// `batch`; the ones [`Self::observe`] marked to wait are taken out of it. `now_ns`
+    /// `u64::MAX`: all of them (the end of the run).
+    pub fn settle_held(&mut self, batch: &mut Vec<Event>, now_ns: u64) {
+        self.held.settle(batch, now_ns, &mut self.procs);
     }
 
     /// Folds one event in and fills in what only the agent knows.
@@ -627,15 +641,18 @@ impl Correlator {
                 *s.launch_apis.entry(spec.map_or("?", |a| a.0)).or_default() += 1;
                 if spec.is_some_and(|a| a.1 != Family::GraphLaunch) {
                     l.kernel = p.names.get(&l.function).cloned();
-                    match &l.kernel {
-                        Some(k) => {
-                            p.stats.named_launches += 1;
-                            let key = Arc::as_ptr(k) as usize;
-                            if p.kernels.len() < MAX_NAMES || p.kernels.contains_key(&key) {
-                                p.kernels.entry(key).or_insert_with(|| (k.clone(), 0)).1 += 1;
-                            }
-                        }
-                        None => p.stats.unresolved_launches += 1,
+                    // An unknown handle while CUPTI runs: its kernel record will name it
+                    // (late_names.rs).
+                    if l.kernel.is_none()
+                        && p.gpu
+                            .as_deref()
+                            .is_some_and(|g| g.status.state == Some(CuptiState::Active))
+                        && self.held.has_room()
+                    {
+                        l.held = true;
+                        self.held.mark();
+                    } else {
+                        count_launch(p, l.kernel.as_ref());
                     }
                 }
                 if let (Some(g), Some(spec)) = (p.gpu.as_deref_mut(), api) {
@@ -645,6 +662,7 @@ impl Correlator {
                             ts_ns: ev.ts_ns,
                             api: spec,
                             kernel: l.kernel.clone(),
+                            function: l.function,
                         },
                         pool!(),
                     );
@@ -673,6 +691,7 @@ impl Correlator {
                             ts_ns: ev.ts_ns,
                             api: spec,
                             kernel: None,
+                            function: 0,
                         },
                         pool!(),
                     );
@@ -681,7 +700,16 @@ impl Correlator {
             Body::Gpu(rec) => {
                 let comm = p.comm_bytes();
                 let g = p.gpu.get_or_insert_with(Default::default);
-                if let Some(status) = g.record(ev.pid, comm, rec, &mut self.gpu_out, &mut self.nvtx_out, pool!()) {
+                let status = g.record(ev.pid, comm, rec, &mut self.gpu_out, &mut self.nvtx_out, pool!());
+                if !g.learned.is_empty() {
+                    for (function, name) in std::mem::take(&mut g.learned) {
+                        if !p.names.contains_key(&function) {
+                            p.name(function, name.clone(), budget, used, evicted);
+                            self.held.learn(ev.pid, function, name);
+                        }
+                    }
+                }
+                if let Some(status) = status {
                     self.cupti_changes.push(CuptiChange {
                         pid: ev.pid,
                         ts_ns: ev.ts_ns,
@@ -933,6 +961,21 @@ impl Correlator {
     }
 }
 
+/// A kernel launch counted in its process's statistics: named (and its kernel's launch
+/// count), or unresolved.
+fn count_launch(p: &mut Process, kernel: Option<&Arc<KernelName>>) {
+    match kernel {
+        Some(k) => {
+            p.stats.named_launches += 1;
+            let key = Arc::as_ptr(k) as usize;
+            if p.kernels.len() < MAX_NAMES || p.kernels.contains_key(&key) {
+                p.kernels.entry(key).or_insert_with(|| (k.clone(), 0)).1 += 1;
+            }
+        }
+        None => p.stats.unresolved_launches += 1,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1076,6 +1119,7 @@ mod tests {
         let launch = |f: u64| {
             ev(
                 Body::Launch(Launch {
+                    held: false,
                     function: f,
                     grid: [1; 3],
                     block: [1; 3],

@@ -55,6 +55,9 @@ pub struct Launch {
     pub read_errors: u32,
     /// Set by correlate when the handle's name is known.
     pub kernel: Option<Arc<KernelName>>,
+    /// Set by correlate: the launch waits for CUPTI to name its handle
+    /// (correlate/late_names.rs).
+    pub held: bool,
 }
 
 /// A kernel's name as loaded and as people read it.
@@ -206,6 +209,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 stream: r.stream,
                 read_errors: r.read_errors,
                 kernel: None,
+                held: false,
             })
         }
         EventKind::Call => {

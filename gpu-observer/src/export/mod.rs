@@ -14,4 +14,4 @@ pub mod terminal;
 pub mod text;
 
 mod sink;
-pub use sink::{AnomalyLine, Flagged, LeakReport, Sink, Summary};
+pub use sink::{AnomalyLine, Flagged, GpuTimingEvent, GpuTimingNote, LeakReport, Sink, Summary};

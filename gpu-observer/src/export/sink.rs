@@ -65,6 +65,42 @@ pub struct Summary<'a> {
     pub verdicts: &'a std::collections::HashMap<u32, crate::analyze::verdict::Verdict>,
 }
 
+/// Something `--gpu-timing` did to a process (`attach::inject`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuTimingNote {
+    pub ts_ns: u64,
+    pub pid: u32,
+    /// The borrowed thread (injected), else the process.
+    pub tid: u32,
+    pub comm: String,
+    pub event: GpuTimingEvent,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GpuTimingEvent {
+    /// The library was loaded: how long the borrowed thread was stopped, and then ran the
+    /// loader instead of its own code.
+    Injected { pause_us: u64, diverted_us: u64 },
+    /// It was there: injected by an earlier observer (`late`), or loaded through
+    /// `CUDA_INJECTION64_PATH`.
+    AlreadyLoaded { late: bool },
+    /// Not done ([`crate::attach::inject::Reason`]); uprobes observe it all the same.
+    Refused { reason: &'static str, message: String },
+    /// GPU timing switched off (flushed): the records the library forwarded in all.
+    Withdrawn { records: u64 },
+}
+
+impl GpuTimingEvent {
+    pub fn name(&self) -> &'static str {
+        match self {
+            GpuTimingEvent::Injected { .. } => "injected",
+            GpuTimingEvent::AlreadyLoaded { .. } => "already_loaded",
+            GpuTimingEvent::Refused { .. } => "refused",
+            GpuTimingEvent::Withdrawn { .. } => "withdrawn",
+        }
+    }
+}
+
 pub trait Sink: Send {
     /// What it writes where, for messages ("JSON lines to stdout").
     fn describe(&self) -> String;
@@ -77,6 +113,11 @@ pub trait Sink: Send {
 
     /// A process's CUPTI state changed.
     fn cupti_state(&mut self, _change: &CuptiChange) -> Result<()> {
+        Ok(())
+    }
+
+    /// What `--gpu-timing` did to a process.
+    fn gpu_timing(&mut self, _n: &GpuTimingNote) -> Result<()> {
         Ok(())
     }
 

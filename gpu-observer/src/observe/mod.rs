@@ -4,6 +4,7 @@
 //! summaries.
 
 mod dashboard;
+mod gpu_timing;
 mod shutdown;
 mod start;
 mod tick;
@@ -73,6 +74,8 @@ struct Run {
     verdicts: std::collections::HashMap<u32, crate::analyze::window::ProcessVerdict>,
     /// When each process's verdict was last written (a line per window, or on a new class).
     verdict_written: std::collections::HashMap<u32, (u64, crate::analyze::verdict::Class)>,
+    /// `--gpu-timing`: injections, and the processes switched on.
+    gpu_timing: Option<gpu_timing::GpuTiming>,
 }
 
 /// Why watching ended.
@@ -118,6 +121,7 @@ impl Run {
                         say(why);
                         return Ok(end);
                     }
+                    self.gpu_timing_tick().await;
                 }
             }
         }

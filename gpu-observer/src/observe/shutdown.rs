@@ -44,6 +44,8 @@ pub(super) async fn shutdown(mut run: Run, end: End) -> Result<i32> {
             say(format_args!("process {} still runs; no longer observed", s.pid()));
         }
     }
+    // --gpu-timing: switched off while the hooks still listen, so the last flush arrives.
+    run.withdraw_gpu_timing().await;
     // The probes stop producing first: nothing waits on a program that is still running.
     run.at.probes.disable()?;
     // Then the sampler, so the reader's last drain has its last samples; an NVML call that

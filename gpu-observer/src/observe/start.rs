@@ -64,6 +64,7 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
     if let Some(pid) = cli.pid {
         preflight::check_pid(pid)?;
     }
+    let gpu_timing = super::gpu_timing::GpuTiming::new(&cli)?;
     for w in preflight::check()? {
         say(format_args!("warning: {w}"));
     }
@@ -246,6 +247,7 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
         tracker: crate::analyze::window::Tracker::new(gpu_time),
         verdicts: Default::default(),
         verdict_written: Default::default(),
+        gpu_timing,
     })
 }
 

@@ -30,6 +30,7 @@ fn launch(pid: u32, tid: u32, name: &[u8], api: &str, kernel: Option<&str>) -> E
         comm: comm(name),
         api: Some(spec(api)),
         body: Body::Launch(Launch {
+            held: false,
             function: 0xF000,
             grid: [1, 1, 1],
             block: [1, 1, 1],
@@ -65,6 +66,7 @@ fn exit(pid: u32) -> Event {
 
 fn origin(tid: u32, api: &str) -> Origin {
     Origin {
+        function: 0,
         tid,
         api: Some(spec(api)),
         cupti_api: "cudaLaunchKernel",

@@ -14,7 +14,10 @@ use crate::{
         cupti_join::{GpuActivity, copy_kind_name, memory_kind_name},
         nvtx::NvtxRange,
     },
-    export::attributes::{Value, span_attributes},
+    export::{
+        attributes::{Value, span_attributes},
+        sink::{GpuTimingEvent, GpuTimingNote},
+    },
     rules::bandwidth_mbps,
     snapshot::GpuView,
 };
@@ -155,6 +158,26 @@ impl<W: Write> JsonlWriter<W> {
             s.cupti_result
         )?;
         opt_str(&mut self.out, "message", Some(CuptiState::message_of(s.state)))?;
+        self.out.write_all(b"}\n")
+    }
+
+    /// What `--gpu-timing` did to a process.
+    pub fn gpu_timing(&mut self, n: &GpuTimingNote) -> io::Result<()> {
+        self.head("gpu_timing", n.ts_ns, n.pid, n.tid, &n.comm)?;
+        write!(self.out, ",\"event\":\"{}\"", n.event.name())?;
+        match &n.event {
+            GpuTimingEvent::Injected { pause_us, diverted_us } => write!(
+                self.out,
+                ",\"pause_us\":{pause_us},\"diverted_us\":{diverted_us},\"library\":\"memfd:{}\"",
+                gpu_observer_common::cupti::MEMFD_NAME
+            )?,
+            GpuTimingEvent::AlreadyLoaded { late } => write!(self.out, ",\"late\":{late}")?,
+            GpuTimingEvent::Refused { reason, message } => {
+                write!(self.out, ",\"reason\":\"{reason}\"")?;
+                opt_str(&mut self.out, "message", Some(message))?;
+            }
+            GpuTimingEvent::Withdrawn { records } => write!(self.out, ",\"records\":{records}")?,
+        }
         self.out.write_all(b"}\n")
     }
 

@@ -687,6 +687,10 @@ impl<W: Write + Send> Sink for JsonlSink<W> {
         Ok(self.writer.nvtx(r)?)
     }
 
+    fn gpu_timing(&mut self, n: &crate::export::sink::GpuTimingNote) -> anyhow::Result<()> {
+        Ok(self.writer.gpu_timing(n)?)
+    }
+
     fn memory(&mut self, ts_ns: u64, m: &MemorySample, comm: &str) -> anyhow::Result<()> {
         Ok(self.writer.memory(ts_ns, m, comm)?)
     }

@@ -60,6 +60,7 @@ fn launch(ts: u64, api: &str) -> Event {
         101,
         api,
         Body::Launch(Launch {
+            held: false,
             function: 0x10,
             grid: [4, 1, 1],
             block: [128, 1, 1],
@@ -84,6 +85,7 @@ fn kernel(start: u64, end: u64, stream: u32, origin: Option<(&str, u64)>) -> Gpu
             ..Default::default()
         },
         origin: origin.map(|(api, ts)| Origin {
+            function: 0,
             tid: 101,
             api: Some(spec(api)),
             cupti_api: "cuLaunchKernel",
