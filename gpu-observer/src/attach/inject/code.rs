@@ -91,6 +91,8 @@ const SYS_CLOSE: u32 = 3;
 const SYS_NANOSLEEP: u32 = 35;
 const SYS_MEMFD_CREATE: u32 = 319;
 const MFD_CLOEXEC: u32 = 1;
+const MFD_EXEC: u32 = 0x10;
+const EINVAL: i32 = 22;
 
 /// A tiny x86-64 assembler: exactly the instructions the code uses, with rel32 jumps to
 /// labels.
@@ -152,10 +154,19 @@ pub fn assemble(plan: &Plan) -> Vec<u8> {
     a.bytes(&[0xfc]); // cld (the ABI wants DF clear at a call)
     a.bytes(&[0xb8]).u32(XSAVE_MASK).bytes(&[0x31, 0xd2]); // mov eax, mask; xor edx, edx
     a.bytes(&[0x48, 0x0f, 0xae, 0x23]); // xsave64 [rbx]
-    // fd = memfd_create(NAME, MFD_CLOEXEC)
+    // fd = memfd_create(NAME, MFD_CLOEXEC | MFD_EXEC): executable even where
+    // vm.memfd_noexec = 1 makes memfds non-executable by default; kernels before 6.3 do not
+    // know MFD_EXEC (EINVAL): again without it.
+    let created = a.label();
     a.rbx_disp(&[0x48, 0x8d], 7, NAME); // lea rdi, [rbx+NAME]
-    a.bytes(&[0xbe]).u32(MFD_CLOEXEC); // mov esi, imm
+    a.bytes(&[0xbe]).u32(MFD_CLOEXEC | MFD_EXEC); // mov esi, imm
     a.bytes(&[0xb8]).u32(SYS_MEMFD_CREATE).bytes(&[0x0f, 0x05]);
+    a.bytes(&[0x83, 0xf8, (-EINVAL) as i8 as u8]); // cmp eax, -EINVAL
+    a.jump(&[0x0f, 0x85], created); // jne created
+    a.rbx_disp(&[0x48, 0x8d], 7, NAME);
+    a.bytes(&[0xbe]).u32(MFD_CLOEXEC);
+    a.bytes(&[0xb8]).u32(SYS_MEMFD_CREATE).bytes(&[0x0f, 0x05]);
+    a.here(created);
     a.rbx_disp(&[0x89], 0, FD); // mov [rbx+FD], eax
     a.bytes(&[0x85, 0xc0]); // test eax, eax
     a.jump(&[0x0f, 0x88], done); // js done
