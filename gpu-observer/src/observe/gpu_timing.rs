@@ -40,8 +40,10 @@ pub(super) struct GpuTiming {
     on: BTreeSet<u32>,
     /// Processes told already that CUPTI is held by another tool.
     busy: HashSet<u32>,
-    /// `--gpu-timing-for`: when to withdraw.
-    pub until: Option<Instant>,
+    /// `--gpu-timing-for`: how long GPU timing stays on, from the first process switched on.
+    window: Option<Duration>,
+    /// When to withdraw (set at the first switch-on).
+    until: Option<Instant>,
     withdrawn: bool,
 }
 
@@ -70,9 +72,8 @@ impl GpuTiming {
             tried: HashSet::new(),
             on: BTreeSet::new(),
             busy: HashSet::new(),
-            until: cli
-                .gpu_timing_for
-                .map(|s| Instant::now() + Duration::from_secs_f64(s.max(0.0))),
+            window: cli.gpu_timing_for.map(|s| Duration::from_secs_f64(s.max(0.0))),
+            until: None,
             withdrawn: false,
         }))
     }
@@ -198,8 +199,7 @@ impl Run {
                 format!("CUPTI in pid {pid} is held by another profiler (CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED): stop it (nsys, ncu, an in-process profiler) to get GPU times"),
             );
         }
-        if g.until.is_some_and(|t| Instant::now() >= t) {
-            g.until = None;
+        if !g.withdrawn && g.until.is_some_and(|t| Instant::now() >= t) {
             self.gpu_timing = Some(g);
             self.withdraw_gpu_timing().await;
             return;
@@ -208,9 +208,19 @@ impl Run {
     }
 
     fn switch_on(&self, g: &mut GpuTiming, pid: u32) -> bool {
+        if g.withdrawn {
+            // The window ended while this injection ran: the library stays loaded, off.
+            say(format_args!(
+                "GPU timing: the --gpu-timing-for window has ended; pid {pid} is left switched off"
+            ));
+            return false;
+        }
         match inject::set_control(pid, true) {
             Ok(()) => {
                 g.on.insert(pid);
+                if g.until.is_none() {
+                    g.until = g.window.map(|w| Instant::now() + w);
+                }
                 true
             }
             Err(e) => {

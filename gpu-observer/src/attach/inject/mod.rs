@@ -209,7 +209,11 @@ pub fn is_injected(path: &str) -> bool {
 /// own, which ends afterwards: a thread left seized but not stopped (a stop that never came)
 /// is detached by the kernel when its tracer thread ends.
 pub fn inject(pid: u32, lib: &Library) -> Result<Outcome, Refusal> {
-    let maps = target::maps(pid).map_err(|e| refuse(Reason::Failed, format!("cannot read /proc/{pid}/maps: {e}")))?;
+    // The kernel hides another user's maps from a caller that may not trace it.
+    let maps = target::maps(pid).map_err(|e| match e.raw_os_error() {
+        Some(libc::EACCES | libc::EPERM) => ptrace_error(pid, &e),
+        _ => refuse(Reason::Failed, format!("cannot read /proc/{pid}/maps: {e}")),
+    })?;
     if maps.iter().any(|m| is_injected(&m.path)) {
         return Ok(Outcome::AlreadyLoaded { late: true });
     }
