@@ -517,3 +517,15 @@ impl RunAgent {
         }
     }
 }
+
+impl Workload {
+    /// `exit`: its reply (`ok exit`) and the process's exit status.
+    pub fn exit_status(mut self) -> (String, std::process::ExitStatus) {
+        writeln!(self.stdin, "exit").unwrap();
+        self.stdin.flush().unwrap();
+        let mut reply = String::new();
+        let _ = self.stdout.read_line(&mut reply);
+        let status = self.child.wait().unwrap();
+        (reply.trim().to_string(), status)
+    }
+}
