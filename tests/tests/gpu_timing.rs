@@ -797,7 +797,6 @@ fn refusal_ptrace_denied() {
 
 /// The same against a process of root's: the kernel already refuses to show nobody its maps.
 #[test]
-#[ignore = "product bug: refused with reason `failed` (\"cannot read /proc/PID/maps: Permission denied\"), not ptrace_denied"]
 fn refusal_ptrace_denied_for_another_users_process() {
     let _g = serial();
     require_root();
@@ -818,7 +817,6 @@ fn refusal_ptrace_denied_for_another_users_process() {
 /// `--gpu-timing-for` shorter than the injection takes: the library must still be switched off
 /// once it is in, not left collecting until the observer ends.
 #[test]
-#[ignore = "product bug: the deadline passes while the injection runs; its answer then switches GPU timing on for the rest of the run"]
 fn a_window_shorter_than_the_injection_is_still_withdrawn() {
     let _g = serial();
     require_root();
