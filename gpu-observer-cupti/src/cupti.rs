@@ -29,10 +29,6 @@ pub type NvtxInit = unsafe extern "C" fn(Option<NvtxGetExportTable>) -> c_int;
 pub type CallbackFunc = extern "C" fn(*mut c_void, u32, u32, *const c_void);
 pub type Subscribe = unsafe extern "C" fn(*mut *mut c_void, CallbackFunc, *mut c_void) -> CuptiResult;
 pub type Unsubscribe = unsafe extern "C" fn(*mut c_void) -> CuptiResult;
-pub type EnableCallback = unsafe extern "C" fn(u32, *mut c_void, u32, u32) -> CuptiResult;
-/// `CUPTI_CB_DOMAIN_DRIVER_API` / `CUPTI_CB_DOMAIN_RUNTIME_API`.
-pub const DOMAIN_DRIVER: u32 = 1;
-pub const DOMAIN_RUNTIME: u32 = 2;
 
 /// The resolved entry points. The library handle is kept for the life of the process.
 pub struct Cupti {
@@ -50,11 +46,8 @@ pub struct Cupti {
     pub enable_runtime_api: Option<unsafe extern "C" fn(u32, u8) -> CuptiResult>,
     /// CUPTI as the process's NVTX tool (`InitializeInjectionNvtx2`, nvtxTypes.h).
     pub nvtx_init: Option<NvtxInit>,
-    /// The callback API's subscription: to ask whether another tool holds CUPTI, and for the
-    /// API timing of a late-loaded library when activity API records do not come.
-    pub subscribe: Option<(Subscribe, Unsubscribe)>,
-    /// `cuptiEnableCallback(enable, subscriber, domain, cbid)`.
-    pub enable_callback: Option<EnableCallback>,
+    /// The callback API's subscription, only to ask whether another tool holds CUPTI.
+    subscribe: Option<(Subscribe, Unsubscribe)>,
     result_string: Option<unsafe extern "C" fn(CuptiResult, *mut *const c_char) -> CuptiResult>,
 }
 
@@ -135,10 +128,6 @@ impl Cupti {
                         .ok()
                         .map(|s| *s),
                 ),
-            // SAFETY: as above (cupti_callbacks.h).
-            enable_callback: unsafe { lib.get::<EnableCallback>(b"cuptiEnableCallback\0") }
-                .ok()
-                .map(|s| *s),
             _lib: lib,
         })
     }

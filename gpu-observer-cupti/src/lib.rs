@@ -171,10 +171,12 @@ pub extern "C" fn gpu_observer_cupti_name(key: u64, name: *const c_char) {
 /// Settings read once from the environment.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
-    /// How API calls are timed for the join (`GPU_OBSERVER_CUPTI_API`): `per_api` (activity
-    /// records of the work APIs only; whole API kinds where CUPTI cannot), `kinds` (whole API
-    /// kinds), `callbacks` (CUPTI's callback API, recorded here).
-    pub api: ApiMode,
+    /// How API calls are recorded for the join (`GPU_OBSERVER_CUPTI_API`): `per_api` (only
+    /// the work APIs; whole API kinds where CUPTI cannot) or `kinds` (whole DRIVER/RUNTIME
+    /// kinds). Unset: `per_api`, except in a library injected late, where CUPTI 13 on the H100
+    /// recorded no API call at all with the per-API switches in some runs (docs/VALIDATION.md
+    /// "GPU timing for a running process"), and whole kinds always joined.
+    pub api: Option<ApiMode>,
     pub buffer_bytes: usize,
     pub rate_limit: u64,
     pub flush: Duration,
@@ -189,9 +191,9 @@ impl Config {
         let num = |k: &str| get(k).and_then(|v| v.trim().parse::<u64>().ok());
         Self {
             api: match get("GPU_OBSERVER_CUPTI_API").as_deref().map(str::trim) {
-                Some("kinds") => ApiMode::Kinds,
-                Some("callbacks") => ApiMode::Callbacks,
-                _ => ApiMode::PerApi,
+                Some("kinds") => Some(ApiMode::Kinds),
+                Some("per_api") => Some(ApiMode::PerApi),
+                _ => None,
             },
             buffer_bytes: num("GPU_OBSERVER_CUDA_BUFFER_SIZE").map_or(Self::DEFAULT_BUFFER_BYTES, |v| {
                 v.clamp(64 * 1024, 256 * 1024 * 1024) as usize
@@ -207,77 +209,6 @@ impl Config {
 pub enum ApiMode {
     PerApi,
     Kinds,
-    Callbacks,
-}
-
-/// API calls timed through CUPTI's callbacks, until the next flush hands them to the hook.
-static CALLBACK_RECORDS: Mutex<Vec<GpuRecord>> = Mutex::new(Vec::new());
-/// Most API calls kept between two flushes (beyond: counted as rate limited).
-const MAX_CALLBACK_RECORDS: usize = 1 << 20;
-
-/// `CUpti_CallbackData` (cupti_callbacks.h), the fields read here.
-#[repr(C)]
-struct CallbackData {
-    site: u32,
-    function_name: *const c_char,
-    params: *const c_void,
-    ret: *mut c_void,
-    symbol: *const c_char,
-    context: *mut c_void,
-    context_uid: u32,
-    correlation_data: *mut u64,
-    correlation_id: u32,
-}
-
-/// CUPTI's callback on entry to and exit from a work API: the call's span and correlation
-/// id, as an API activity record would give them.
-extern "C" fn api_callback(_user: *mut c_void, domain: u32, cbid: u32, data: *const c_void) {
-    let _ = catch_unwind(AssertUnwindSafe(|| {
-        if data.is_null() {
-            return;
-        }
-        // SAFETY: CUPTI passes a CUpti_CallbackData for the API domains enabled here.
-        let d = unsafe { &*data.cast::<CallbackData>() };
-        if d.correlation_data.is_null() {
-            return;
-        }
-        if d.site == 0 {
-            // SAFETY: CUPTI's per-call slot, the same pointer at entry and exit.
-            unsafe { *d.correlation_data = monotonic_ns() };
-            return;
-        }
-        // SAFETY: as above.
-        let start = unsafe { *d.correlation_data };
-        let rec = GpuRecord {
-            kind: if domain == cupti::DOMAIN_RUNTIME {
-                GpuRecordKind::RuntimeApi as u32
-            } else {
-                GpuRecordKind::Api as u32
-            },
-            correlation_id: d.correlation_id,
-            // SAFETY: gettid has no preconditions.
-            tid: unsafe { libc::gettid() } as u32,
-            cbid,
-            start_ns: start,
-            end_ns: monotonic_ns(),
-            ..Default::default()
-        };
-        let mut q = CALLBACK_RECORDS.lock().unwrap_or_else(|e| e.into_inner());
-        if q.len() < MAX_CALLBACK_RECORDS {
-            q.push(rec);
-        } else if let Some(inj) = INJECTION.get() {
-            inj.rate_limited.fetch_add(1, Relaxed);
-        }
-    }));
-}
-
-/// Hands the API calls the callbacks timed to the hook.
-fn send_callback_records(inj: &Injection) {
-    let taken = std::mem::take(&mut *CALLBACK_RECORDS.lock().unwrap_or_else(|e| e.into_inner()));
-    if !taken.is_empty() && observed() {
-        send(&taken);
-        inj.forwarded.fetch_add(taken.len() as u64, Relaxed);
-    }
 }
 
 /// Process-wide state: set up once by [`InitializeInjection`].
@@ -304,8 +235,6 @@ struct Injection {
     nvtx: AtomicU32,
     /// CUPTI records NVTX markers now (enabled with the work kinds, when it can).
     markers: AtomicBool,
-    /// The callback subscription of [`ApiMode::Callbacks`] while enabled.
-    subscriber: Mutex<usize>,
 }
 
 static INJECTION: OnceLock<Injection> = OnceLock::new();
@@ -417,7 +346,6 @@ fn init() -> Injection {
         devices_sent: AtomicBool::new(false),
         nvtx: AtomicU32::new(NvtxState::NotLoaded as u32),
         markers: AtomicBool::new(false),
-        subscriber: Mutex::new(0),
     };
     let c = match Cupti::load(cfg.cupti_path.as_deref()) {
         Ok(c) => c,
@@ -576,14 +504,12 @@ fn start(inj: &Injection) {
     if inj.enabled.load(Relaxed) || inj.state.load(Relaxed) == CuptiState::Failed as u64 {
         return;
     }
-    let callbacks = inj.cfg.api == ApiMode::Callbacks;
-    if callbacks {
-        if let Err(r) = subscribe_callbacks(inj, c) {
-            return refuse(inj, c, r, 0, false);
-        }
-    }
-    let per_api = !callbacks
-        && inj.cfg.api == ApiMode::PerApi
+    let mode = inj.cfg.api.unwrap_or(if LATE.load(Relaxed) {
+        ApiMode::Kinds
+    } else {
+        ApiMode::PerApi
+    });
+    let per_api = mode == ApiMode::PerApi
         && match set_work_apis(c, true) {
             Ok(()) => true,
             Err(cupti::MULTIPLE_SUBSCRIBERS) => return refuse(inj, c, cupti::MULTIPLE_SUBSCRIBERS, 0, false),
@@ -595,7 +521,7 @@ fn start(inj: &Injection) {
         };
     let kinds: Vec<u32> = WORK_KINDS
         .iter()
-        .chain(if per_api || callbacks { &[][..] } else { &API_KINDS[..] })
+        .chain(if per_api { &[][..] } else { &API_KINDS[..] })
         .copied()
         .collect();
     for (i, k) in kinds.iter().enumerate() {
@@ -649,9 +575,7 @@ fn stop(inj: &Injection) {
         // SAFETY: as above.
         unsafe { (c.disable)(kind::MARKER) };
     }
-    if inj.cfg.api == ApiMode::Callbacks {
-        unsubscribe_callbacks(inj, c);
-    } else if inj.per_api.load(Relaxed) {
+    if inj.per_api.load(Relaxed) {
         let _ = set_work_apis(c, false);
     } else {
         for k in API_KINDS {
@@ -672,39 +596,6 @@ fn flush(inj: &Injection, flag: u32) {
     if let Some(c) = &inj.cupti {
         // SAFETY: CUPTI entry point; completed buffers come back through buffer_completed.
         unsafe { (c.flush_all)(flag) };
-    }
-    send_callback_records(inj);
-}
-
-/// [`ApiMode::Callbacks`]: subscribes and enables the callbacks of the work APIs.
-fn subscribe_callbacks(inj: &Injection, c: &Cupti) -> Result<(), i32> {
-    let (Some((subscribe, _)), Some(enable)) = (c.subscribe, c.enable_callback) else {
-        return Err(cupti::NOT_SUPPORTED);
-    };
-    let mut handle: *mut c_void = std::ptr::null_mut();
-    // SAFETY: valid out-pointer; the callback stays valid for the life of the process.
-    let r = unsafe { subscribe(&mut handle, api_callback, std::ptr::null_mut()) };
-    if r != cupti::SUCCESS {
-        return Err(r);
-    }
-    *inj.subscriber.lock().unwrap_or_else(|e| e.into_inner()) = handle as usize;
-    for (domain, cbid) in cupti_ids() {
-        let d = if domain == 0 {
-            cupti::DOMAIN_DRIVER
-        } else {
-            cupti::DOMAIN_RUNTIME
-        };
-        // SAFETY: the subscriber just returned, a domain and callback id from CUPTI's headers.
-        unsafe { enable(1, handle, d, cbid) };
-    }
-    Ok(())
-}
-
-fn unsubscribe_callbacks(inj: &Injection, c: &Cupti) {
-    let handle = std::mem::take(&mut *inj.subscriber.lock().unwrap_or_else(|e| e.into_inner()));
-    if let (Some((_, unsubscribe)), true) = (c.subscribe, handle != 0) {
-        // SAFETY: the subscription made in subscribe_callbacks.
-        unsafe { unsubscribe(handle as *mut c_void) };
     }
 }
 
