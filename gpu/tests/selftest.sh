@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # No-GPU self-test of the validation tooling: the package gpu/gpucheck (its one JSON-lines
 # reader; compare, compare_ground_truth, compare_cupti, make_report, bench_report,
-# bench_cupti_report, compare_nvml, compare_verdicts, compare_anomalies) on synthetic JSONL, the observer lifecycle
+# bench_cupti_report, compare_nvml, compare_verdicts, compare_anomalies, compare_late) on synthetic JSONL, the observer lifecycle
 # in lib.sh (all-process and `run` mode) against tests/fake_observer.py, and bench_cupti.sh,
-# validate_nvml.sh and validate_verdicts.sh end to end with the fakes.
+# validate_nvml.sh, validate_verdicts.sh and validate_late_attach.sh end to end with the fakes.
 # Run: bash gpu/tests/selftest.sh
 set -euo pipefail
 
@@ -768,6 +768,124 @@ check "compare_anomalies: a planted copy is flagged by a call or bandwidth findi
 an_run noisy 1100:kernel 2100:kernel 3200:kernel 5:call 6:call 7:call
 check "compare_anomalies: 3 false positives in 10 000 over a 0.02 % bound -> rc 1" 1 "$(an_rc noisy kernel 0.0002)"
 check "compare_anomalies: no summary -> rc 2" 2 "$(head -n 2 "$T/an/ok.jsonl" >"$T/an/cut.jsonl"; cp "$T/an/ok.json" "$T/an/cut.json"; an_rc cut kernel)"
+
+# --- late GPU timing (issue 17): gpucheck.compare_late on synthetic runs (tests/late_synth.py:
+# a job's steps, its reference run and a late observer's lines, with faults), then
+# validate_late_attach.sh end to end with the fake observer and fake jobs (tests/fake_late_job.py).
+mkdir -p "$T/late"
+lt_rc() { # name [fault...] -> compare_late check rc ($T/late/NAME.*)
+    local n=$1 rc=0 f
+    shift
+    local -a fa=()
+    for f in "$@"; do fa+=(--fault "$f"); done
+    "$PY" "$HERE/late_synth.py" "$T/late/$n" ${fa[@]+"${fa[@]}"} >/dev/null
+    "$PY" -m gpucheck.compare_late check --name "$n" --steps "$T/late/$n.steps.jsonl" \
+        --reference "$T/late/$n.ref.jsonl" --events "$T/late/$n.jsonl" --workload-rc 0 --observer-rc 0 \
+        --gpu-timing-for 3 --result-out "$T/late/$n.result.json" --section-out "$T/late/$n.md" \
+        >"$T/late/$n.out" 2>&1 || rc=$?
+    echo "$rc"
+}
+lt_st() { # name check-id -> that check's status
+    "$PY" -c 'import json,sys; r=json.load(open(sys.argv[1]))
+print(next((c["status"] for c in r["checks"] if c["id"] == sys.argv[2]), "missing"))' "$T/late/$1.result.json" "$2" 2>/dev/null || echo error
+}
+check "late: consistent run -> pass" 0 "$(lt_rc ok)"
+check "late: ... every strict check passes" "PASS PASS PASS PASS PASS PASS PASS" \
+    "$(for c in attach withdraw pause gpu.joined names.window steps.after result.final_loss; do lt_st ok $c; done | tr '\n' ' ' | sed 's/ $//')"
+check "late: ... join and naming counts shown" "0 0" \
+    "$(has "GPU records joined (\`launch_ts_ns\` not null) | 100 % | 100.00 % (321/321) | PASS" "$T/late/ok.md") $(has "launches in the window (not graph launches) named | 100 % | 100.00 % (287/287) | PASS" "$T/late/ok.md")"
+check "late: ... pause, after/before ratio and the reference shown" "0 0 0" \
+    "$(has "| 900 µs | PASS" "$T/late/ok.md") $(has "1.0000 (10.060 ms / 10.060 ms; 308 / 241 steps)" "$T/late/ok.md") $(has "final loss = the reference run's | 0.012345678901234567 | 0.012345678901234567 | PASS" "$T/late/ok.md")"
+check "late: ... after-withdraw naming, diverted time and summary are informational" "INFO INFO INFO" \
+    "$(lt_st ok names.after) $(lt_st ok diverted) $(lt_st ok summary.names)"
+check "late: one GPU record not joined -> fail" "1 FAIL" "$(lt_rc unjoined unjoined) $(lt_st unjoined gpu.joined)"
+check "late: ... the share shown" 0 "$(has "99.69 % (320/321)" "$T/late/unjoined.md")"
+check "late: one unnamed launch in the window -> fail" "1 FAIL" "$(lt_rc unnamed unnamed) $(lt_st unnamed names.window)"
+check "late: ... listed" 0 "$(has "unnamed launch in the window: cuLaunchKernel" "$T/late/unnamed.out")"
+check "late: an unnamed launch after the withdraw -> pass, shown" "0 INFO 0" \
+    "$(lt_rc unnamed_after unnamed_after) $(lt_st unnamed_after names.after) $(has "99.48 % (190/191)" "$T/late/unnamed_after.md")"
+check "late: hijack pause 25 ms -> fail" "1 FAIL" "$(lt_rc pause pause) $(lt_st pause pause)"
+check "late: steps 8 % slower after the withdraw -> fail" "1 FAIL" "$(lt_rc ratio ratio) $(lt_st ratio steps.after)"
+check "late: steps 4 % slower after the withdraw -> pass" "0 PASS" "$(lt_rc ratio_small ratio_small) $(lt_st ratio_small steps.after)"
+check "late: final loss one ulp off the reference -> fail" "1 FAIL PASS" \
+    "$(lt_rc loss loss) $(lt_st loss result.final_loss) $(lt_st loss result.params_checksum)"
+check "late: parameter checksum off -> fail" "1 FAIL" "$(lt_rc checksum checksum) $(lt_st checksum result.params_checksum)"
+check "late: injection refused -> fail with the reason" "1 FAIL 0" \
+    "$(lt_rc refused refused) $(lt_st refused attach) $(has "refused: ptrace_denied" "$T/late/refused.md")"
+check "late: no withdrawn line -> fail" "1 FAIL" "$(lt_rc nowd no_withdraw) $(lt_st nowd withdraw)"
+check "late: no cupti lines -> the window from the gpu_timing lines, pass" "0 0" \
+    "$(lt_rc nocl no_cupti_lines) $(has "no \`cupti\` line with state active" "$T/late/nocl.md")"
+check "late: already_loaded -> no hijack, pass" "0 0" "$(lt_rc al already_loaded) $(has "n/a (library already loaded" "$T/late/al.md")"
+check "late: only graph launches in the window -> fail (nothing to name)" "1 FAIL" \
+    "$(lt_rc go graph_unnamed_only) $(lt_st go names.window)"
+check "late: a 40 ms step at the attach -> shown, pass" "0 0" \
+    "$(lt_rc sa slow_attach_step) $(has "longest step within 1 s of the attach | - | 40.000 ms (step 301" "$T/late/sa.md")"
+rc=0
+"$PY" -m gpucheck.compare_late check --name gone --steps "$T/late/ok.steps.jsonl" --reference "$T/late/ok.ref.jsonl" \
+    --events "$T/late/nonexistent.jsonl" --result-out "$T/late/gone.result.json" >"$T/late/gone.out" 2>&1 || rc=$?
+check "late: unreadable observer output -> rc 2, a FAIL result" "2 0" "$rc $(has '"status": "FAIL"' "$T/late/gone.result.json")"
+rc=0
+"$PY" -m gpucheck.compare_late check --name noref --steps "$T/late/ok.steps.jsonl" --reference "$T/late/nonexistent.jsonl" \
+    --events "$T/late/ok.jsonl" --result-out "$T/late/noref.result.json" >"$T/late/noref.out" 2>&1 || rc=$?
+check "late: no reference run -> fail" "1 FAIL" "$rc $(lt_st noref result)"
+lr_rc() { # out-name status-text [--require-all] result-names... -> compare_late report rc
+    local n=$1 st=$2 rc=0 r
+    shift 2
+    local -a args=() res=()
+    if [[ ${1:-} == --require-all ]]; then
+        args+=(--require-all)
+        shift
+    fi
+    for r in "$@"; do res+=("$T/late/$r.result.json"); done
+    printf '%s' "$st" >"$T/late/$n.status.tsv"
+    "$PY" -m gpucheck.compare_late report --status-file "$T/late/$n.status.tsv" --out "$T/late/$n.LATE.md" \
+        --json-out "$T/late/$n.json" ${args[@]+"${args[@]}"} ${res[@]+"${res[@]}"} >"$T/late/$n.rout" 2>&1 || rc=$?
+    echo "$rc"
+}
+check "late report: a pass and a job not run here -> rc 0" "0 0" \
+    "$(lr_rc r1 "$(printf 'jax\tNOT RUN (JAX has no GPU)\n')" ok) $(has "Overall: \*\*PASS\*\* — 1 run(s) made: 1 pass, 0 fail; 1 without a result (jax: NOT RUN (JAX has no GPU))." "$T/late/r1.LATE.md")"
+check "late report: the summary row" 0 \
+    "$(has "| ok | 900 / 300 µs | 321/321 | 287/287 | 191/191 | 10.060 ms / 10.060 ms / 10.060 ms | 1.0000 | 0.012345678901234567 = ref | \*\*PASS\*\* |" "$T/late/r1.LATE.md")"
+check "late report: ... --require-all -> rc 1" 1 "$(lr_rc r2 "$(printf 'jax\tNOT RUN (JAX has no GPU)\n')" --require-all ok)"
+check "late report: a failing run -> rc 1, its reason in the row" "1 0" \
+    "$(lr_rc r3 "" ok pause) $(has "\*\*FAIL\*\* (hijack pause (\`pause_us\`) ≤ 20000 µs: 25000 µs)" "$T/late/r3.LATE.md")"
+check "late report: nothing run -> rc 1" 1 "$(lr_rc r4 "$(printf 'torch\tNOT RUN (x)\njax\tNOT RUN (y)\n')")"
+rc=0
+bash -n "$GPU/validate_late_attach.sh" || rc=$?
+check "validate_late_attach.sh: bash syntax" 0 "$rc"
+# validate_late_attach.sh end to end with the fakes (symlinks named for the jobs)
+ln -sf "$HERE/fake_late_job.py" "$T/fake_late_torch.py"
+ln -sf "$HERE/fake_late_job.py" "$T/fake_late_jax.py"
+chmod +x "$HERE/fake_late_job.py"
+la_e2e() { # name [env...] -> rc
+    local n=$1 rc=0
+    shift
+    # the defaults first: the case's own settings ("$@") override them
+    env OBSERVER="$HERE/fake_observer.py" LATE_TORCH_WORKLOAD="$T/fake_late_torch.py" \
+        LATE_JAX_WORKLOAD="$T/fake_late_jax.py" ALLOW_NO_GPU=1 ALLOW_NONROOT=1 READY_TIMEOUT=5 STOP_TIMEOUT=5 \
+        TORCH_STEPS=500 JAX_STEPS=500 ATTACH_AFTER_S=0.3 GPU_TIMING_FOR=0.6 OBS_LINGER_S=0.5 AFTER_SKIP_S=0.2 \
+        WORK_DIR="$T/$n.work" PYTHON="$PY" "$@" bash "$GPU/validate_late_attach.sh" "$T/$n.out" >"$T/$n.log" 2>&1 || rc=$?
+    echo "$rc"
+}
+la_rows() { # name -> "NAME:STATUS ..." of its results json
+    "$PY" -c 'import json,sys; j=json.load(open(sys.argv[1]))
+print(" ".join(r["name"] + ":" + r["status"] for r in j["results"] + j["not_run"]))' "$T/$1.out/late-results.json" 2>/dev/null || echo error
+}
+check "validate_late_attach.sh end to end (fakes; JAX not available)" 0 \
+    "$(la_e2e le1 FAKE_LATE_SKIP=jax GPU_OBSERVER_CUPTI_PATH=/opt/fake/libcupti.so)"
+check "validate_late_attach.sh: rows" "torch:PASS jax:NOT RUN (jax not available (fake))" "$(la_rows le1)"
+check "validate_late_attach.sh: files out (report, results, artifacts, the observer's JSONL gzipped, its stderr)" \
+    "LATE_ATTACH.md late-artifacts.tar.gz late-results.json torch.err torch.jsonl.gz" "$(find "$T/le1.out" -type f -printf '%f\n' | LC_ALL=C sort | tr '\n' ' ' | sed 's/ $//')"
+check "validate_late_attach.sh: the observer stopped after the window, the job ran on" "0 0" \
+    "$(has "stopping the observer (SIGINT), the job runs on" "$T/le1.log") $(has "… of which the observer gone" "$T/le1.out/LATE_ATTACH.md")"
+check "validate_late_attach.sh: GPU_OBSERVER_CUPTI_PATH reaches the job, not the observer" "0 0" \
+    "$(has '"gpu_observer_cupti_path": "/opt/fake/libcupti.so"' "$T/le1.work/torch.steps.jsonl") $(has "GPU_OBSERVER_CUPTI_PATH=(unset)" "$T/le1.out/torch.err")"
+check "validate_late_attach.sh: the observer running until the job exits" 0 "$(la_e2e le2 WORKLOADS=jax OBS_LINGER_S=exit)"
+check "validate_late_attach.sh: ... it ended with the job" "0 jax:PASS" "$(has "the observer ended with the job (rc=0)" "$T/le2.log") $(la_rows le2)"
+check "validate_late_attach.sh: injection refused -> rc 1, the reason in the report" "1 0" \
+    "$(la_e2e le3 WORKLOADS=torch TORCH_STEPS=300 FAKE_GPU_TIMING=refused) $(has "refused: ptrace_denied" "$T/le3.out/LATE_ATTACH.md")"
+check "validate_late_attach.sh: an observer without --gpu-timing -> rc 1, said" "1 0" \
+    "$(la_e2e le4 WORKLOADS=torch TORCH_STEPS=50 FAKE_NO_GPU_TIMING=1) $(has "the observer has no --gpu-timing --gpu-timing-for" "$T/le4.out/LATE_ATTACH.md")"
 
 echo "$pass passed, $fail failed"
 ((fail == 0))
