@@ -12,6 +12,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
 mod bench_dashboard;
+mod portable;
 mod record_fixture;
 mod soak;
 mod workload;
@@ -27,7 +28,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Install what building needs: rust-src, bpf-linker (into .tools/), gcc.
+    /// Install what building needs: rust-src, bpf-linker (into .tools/), gcc, Python packages
+    /// and cargo-zigbuild with zig (into .tools/).
     Setup,
     /// Build the fake libcuda and workload into target/fixtures.
     Fixtures,
@@ -96,8 +98,16 @@ enum Task {
         #[arg(long, default_value_t = 1.0)]
         limit: f64,
     },
-    /// Release binary + GPU scripts in .gpu-bundle/ for a GPU machine (see gpu/README.md).
+    /// Release binary + GPU scripts in .gpu-bundle/ for a GPU machine (see gpu/README.md); its
+    /// libgpu_observer_cupti.so is the portable one (glibc ≥ 2.17).
     Bundle,
+    /// Build the CUPTI injection library for glibc ≥ 2.17 (cargo-zigbuild) into
+    /// target/portable/{debug,release}/libgpu_observer_cupti.so and check its glibc requirement.
+    PortableCupti {
+        /// Build in release mode.
+        #[arg(long)]
+        release: bool,
+    },
     /// Long-run stability (issue 10): the fake workload mix (churn, steady load, CUPTI) under one
     /// all-process observer; every minute its RSS, fds, BPF links and the event accounting;
     /// PASS/FAIL checks at the end (docs/BENCHMARKS.md, "Soak"). Run it as root.
@@ -153,6 +163,7 @@ fn main() -> ExitCode {
             limit,
         }),
         Task::Bundle => bundle(),
+        Task::PortableCupti { release } => portable::build(release).map(|_| ()),
         Task::Soak {
             minutes,
             minute_secs,
@@ -228,6 +239,15 @@ fn have(bin: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// What the tests and benchmarks are told through the environment (kept across sudo).
+const PRESERVED_ENV: [&str; 5] = [
+    "GPU_OBSERVER_BIN",
+    "GPU_OBSERVER_FIXTURES",
+    "GPU_OBSERVER_PYTHONPATH",
+    "GPU_OBSERVER_TEST_PORTABLE_CUPTI",
+    "PATH",
+];
+
 /// Runs `cmd` as root: directly when we are root, else through sudo (when there is one).
 fn as_root(cmd: &mut Command) -> Result<()> {
     if is_root() {
@@ -237,7 +257,7 @@ fn as_root(cmd: &mut Command) -> Result<()> {
         bail!("this needs root (eBPF programs and uprobes) and there is no sudo: run it as root");
     }
     let mut sudo = Command::new("sudo");
-    sudo.arg("--preserve-env=GPU_OBSERVER_BIN,GPU_OBSERVER_FIXTURES,GPU_OBSERVER_PYTHONPATH,PATH")
+    sudo.arg(format!("--preserve-env={}", PRESERVED_ENV.join(",")))
         .arg(cmd.get_program())
         .args(cmd.get_args());
     for (k, v) in cmd.get_envs() {
@@ -308,6 +328,7 @@ fn setup() -> Result<()> {
         apt(&["gcc", "libc6-dev"])?;
     }
     python_protos()?;
+    portable::install()?;
     Ok(())
 }
 
@@ -320,13 +341,20 @@ fn python_dir() -> PathBuf {
 }
 
 fn python_protos() -> Result<()> {
-    let dir = python_dir();
-    let have = PYTHON_PACKAGES.iter().all(|p| {
+    pip_install(&python_dir(), &PYTHON_PACKAGES)
+}
+
+/// Installs `packages` (`name==version` each) from PyPI into the private directory `dir`, unless
+/// every one is there already (its `<name>-<version>.dist-info`).
+fn pip_install(dir: &Path, packages: &[&str]) -> Result<()> {
+    let have = packages.iter().all(|p| {
         let (name, version) = p.split_once("==").unwrap_or((p, ""));
+        // A wheel's dist-info spells the name with `_` for `-` (cargo_zigbuild-0.24.1.dist-info).
+        let name = name.replace('-', "_");
         dir.join(format!("{name}-{version}.dist-info")).is_dir()
     });
     if !have {
-        eprintln!("xtask: installing {} into {}", PYTHON_PACKAGES.join(" "), dir.display());
+        eprintln!("xtask: installing {} into {}", packages.join(" "), dir.display());
         status(
             Command::new("python3")
                 .args([
@@ -338,8 +366,8 @@ fn python_protos() -> Result<()> {
                     "--upgrade",
                     "--target",
                 ])
-                .arg(&dir)
-                .args(PYTHON_PACKAGES),
+                .arg(dir)
+                .args(packages),
         )?;
     }
     Ok(())
@@ -397,6 +425,8 @@ fn test(lint_too: bool, args: &[OsString]) -> Result<()> {
     setup()?;
     let fx = fixtures()?;
     let bin = build(false)?;
+    // tests/tests/portable_lib.rs checks the library the bundle ships, built the same way.
+    let portable = portable::build(false)?;
     if lint_too {
         lint()?;
     }
@@ -415,7 +445,8 @@ fn test(lint_too: bool, args: &[OsString]) -> Result<()> {
         .current_dir(root())
         .env("GPU_OBSERVER_BIN", &bin)
         .env("GPU_OBSERVER_FIXTURES", &fx)
-        .env("GPU_OBSERVER_PYTHONPATH", python_dir());
+        .env("GPU_OBSERVER_PYTHONPATH", python_dir())
+        .env("GPU_OBSERVER_TEST_PORTABLE_CUPTI", &portable);
     let result = as_root(&mut t);
     let (passed, failed) = test_totals(&std::fs::read_to_string(&log).unwrap_or_default());
     println!("{passed} passed, {failed} failed");
@@ -519,10 +550,8 @@ fn bundle() -> Result<()> {
     let dir = root().join(".gpu-bundle");
     std::fs::create_dir_all(&dir)?;
     std::fs::copy(&bin, dir.join("gpu-observer"))?;
-    std::fs::copy(
-        bin.with_file_name("libgpu_observer_cupti.so"),
-        dir.join("libgpu_observer_cupti.so"),
-    )?;
+    // The portable build (glibc ≥ 2.17): the observer injects it into processes of any image.
+    std::fs::copy(portable::build(true)?, dir.join("libgpu_observer_cupti.so"))?;
     std::fs::copy(
         root().join("target/release/cuda-ground-truth"),
         dir.join("cuda-ground-truth"),
