@@ -140,6 +140,10 @@ log "CUPTI injection library: ${CUPTI_LIB_PATH:-not found (the observer looks be
 OBS_FLAGS=()
 has_flag --trace-all && OBS_FLAGS+=(--trace-all)
 has_flag --ring-buffer-size && OBS_FLAGS+=(--ring-buffer-size 67108864)
+# The ring comes out of the memory budget (--memory-limit-mb, 256 by default): with a 64 MiB ring
+# and --trace-all the CUPTI join's share was too small on the H100 (calls evicted before their
+# API record came: 5 % joined); 1 GiB leaves it room.
+has_flag --memory-limit-mb && OBS_FLAGS+=(--memory-limit-mb 1024)
 has_flag --cupti-lib && OBS_FLAGS+=(${CUPTI_ARGS[@]+"${CUPTI_ARGS[@]}"})
 log "observer options beyond --pid/--gpu-timing/--format/--output: ${OBS_FLAGS[*]:-none} ${OBS_ARGS}"
 # The environment is recorded while the reference runs go (it imports torch: seconds).
