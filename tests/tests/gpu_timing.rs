@@ -775,45 +775,46 @@ fn refusal_traced() {
     assert_eq!((bye.as_str(), status.code()), ("ok exit", Some(0)), "{status}");
 }
 
-/// No permission to trace: inject_tool as nobody (no CAP_SYS_PTRACE) against a process of
-/// nobody's own: the capability check's refusal.
-#[test]
-fn refusal_ptrace_denied() {
+/// inject_tool as nobody (no CAP_SYS_PTRACE) against a workload run as `owner`: refused as
+/// ptrace_denied with `says` in the message, the workload untouched.
+fn ptrace_denied_case(owner: Option<u32>, says: &str, label: &str) {
     let _g = serial();
     require_root();
-    let dir = scratch("gpu-timing-denied");
+    let dir = scratch(&format!(
+        "gpu-timing-denied-{}",
+        owner.map_or("root".into(), |u| u.to_string())
+    ));
     let lib = fresh_lib(&dir, "libcuda.so.1");
     let mut cmd = late_command(&[]);
-    cmd.uid(NOBODY).gid(NOBODY);
+    if let Some(u) = owner {
+        cmd.uid(u).gid(u);
+    }
     let mut w = Workload::spawn(cmd);
     let pid = w.pid;
     start_launching(&mut w, &lib);
     let t = Tool::run(pid, &injection_lib(), Some("on"), None, Some(NOBODY));
-    let msg = t.refused("ptrace_denied", &["gpu-observer lacks CAP_SYS_PTRACE"]);
-    println!("nobody → nobody's process: {msg}");
-    assert_untouched(pid, "ptrace_denied (own process)");
-    stop_background(&mut w, LAUNCHES_PER_PASS, "ptrace_denied (own process)");
+    let msg = t.refused("ptrace_denied", &[says]);
+    println!("{label}: {msg}");
+    assert_untouched(pid, label);
+    stop_background(&mut w, LAUNCHES_PER_PASS, label);
     let (bye, status) = w.exit_status();
     assert_eq!((bye.as_str(), status.code()), ("ok exit", Some(0)), "{status}");
+}
+
+/// No permission to trace, against a process of nobody's own: the capability check's refusal.
+#[test]
+fn refusal_ptrace_denied() {
+    ptrace_denied_case(
+        Some(NOBODY),
+        "gpu-observer lacks CAP_SYS_PTRACE",
+        "nobody → nobody's process",
+    );
 }
 
 /// The same against a process of root's: the kernel already refuses to show nobody its maps.
 #[test]
 fn refusal_ptrace_denied_for_another_users_process() {
-    let _g = serial();
-    require_root();
-    let dir = scratch("gpu-timing-denied-root");
-    let lib = fresh_lib(&dir, "libcuda.so.1");
-    let mut w = late_workload(&[]);
-    let pid = w.pid;
-    start_launching(&mut w, &lib);
-    let t = Tool::run(pid, &injection_lib(), Some("on"), None, Some(NOBODY));
-    let msg = t.refused("ptrace_denied", &["CAP_SYS_PTRACE"]);
-    println!("nobody → root's process: {msg}");
-    assert_untouched(pid, "ptrace_denied (root's process)");
-    stop_background(&mut w, LAUNCHES_PER_PASS, "ptrace_denied (root's process)");
-    let (bye, status) = w.exit_status();
-    assert_eq!((bye.as_str(), status.code()), ("ok exit", Some(0)), "{status}");
+    ptrace_denied_case(None, "CAP_SYS_PTRACE", "nobody → root's process");
 }
 
 /// `--gpu-timing-for` shorter than the injection takes: the library must still be switched off
