@@ -132,8 +132,8 @@ pub struct Cli {
     #[arg(long, global = true)]
     pub gpu_timing: bool,
 
-    /// With `--gpu-timing`: switch GPU timing off after this long (e.g. 10s) and go on
-    /// observing with uprobes only.
+    /// With `--gpu-timing`: switch GPU timing off after this many seconds (from when it came
+    /// on) and go on observing with uprobes only.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, global = true)]
     pub gpu_timing_for: Option<f64>,
 
