@@ -27,7 +27,10 @@ const MAX_LEARNED: usize = 65_536;
 
 #[derive(Default)]
 pub struct Held {
-    queues: HashMap<u32, VecDeque<Event>>,
+    /// Per pid: the launches waiting, each with the [`Process::serial`] of its process (a pid
+    /// reused, or a process forgotten and seen again, is another process: its statistics must
+    /// not count the old one's launches).
+    queues: HashMap<u32, VecDeque<(Event, u64)>>,
     count: usize,
     learned: Vec<(u32, u64, Arc<KernelName>)>,
     /// A launch was marked to wait in the current batch.
@@ -64,7 +67,8 @@ impl Held {
             self.marked = false;
             for ev in std::mem::take(batch) {
                 if waits(&ev) {
-                    self.queues.entry(ev.pid).or_default().push_back(ev);
+                    let first = procs.get(&ev.pid).map_or(0, |p| p.serial);
+                    self.queues.entry(ev.pid).or_default().push_back((ev, first));
                 } else {
                     batch.push(ev);
                 }
@@ -73,17 +77,17 @@ impl Held {
         for (pid, function, name) in std::mem::take(&mut self.learned) {
             let Some(q) = self.queues.get_mut(&pid) else { continue };
             let mut rest = VecDeque::with_capacity(q.len());
-            for mut ev in q.drain(..) {
+            for (mut ev, first) in q.drain(..) {
                 if let Body::Launch(l) = &mut ev.body
                     && l.function == function
                 {
                     l.kernel = Some(name.clone());
                     self.count -= 1;
                     self.named += 1;
-                    release(&mut ev, procs);
+                    release(&mut ev, first, procs);
                     batch.push(ev);
                 } else {
-                    rest.push_back(ev);
+                    rest.push_back((ev, first));
                 }
             }
             *q = rest;
@@ -91,12 +95,12 @@ impl Held {
         for q in self.queues.values_mut() {
             while q
                 .front()
-                .is_some_and(|ev| now_ns == u64::MAX || ev.ts_ns.saturating_add(HOLD_NS) < now_ns)
+                .is_some_and(|(ev, _)| now_ns == u64::MAX || ev.ts_ns.saturating_add(HOLD_NS) < now_ns)
             {
-                let Some(mut ev) = q.pop_front() else { break };
+                let Some((mut ev, first)) = q.pop_front() else { break };
                 self.count -= 1;
                 self.unnamed += 1;
-                release(&mut ev, procs);
+                release(&mut ev, first, procs);
                 batch.push(ev);
             }
         }
@@ -108,11 +112,87 @@ fn waits(ev: &Event) -> bool {
     matches!(&ev.body, Body::Launch(l) if l.held)
 }
 
-/// A launch goes out: counted named or unresolved, as if it had just been observed.
-fn release(ev: &mut Event, procs: &mut HashMap<u32, Process>) {
+/// A launch goes out: counted named or unresolved in its process, as if it had just been
+/// observed (not in another process that now has its pid).
+fn release(ev: &mut Event, serial: u64, procs: &mut HashMap<u32, Process>) {
     let Body::Launch(l) = &mut ev.body else { return };
     l.held = false;
-    if let Some(p) = procs.get_mut(&ev.pid) {
+    if let Some(p) = procs.get_mut(&ev.pid)
+        && p.serial == serial
+    {
         super::count_launch(p, l.kernel.as_ref());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decode::Launch;
+
+    fn launch(pid: u32, ts_ns: u64, function: u64) -> Event {
+        Event {
+            ts_ns,
+            pid,
+            tid: pid,
+            comm: [0; 16],
+            api: None,
+            body: Body::Launch(Launch {
+                function,
+                grid: [1; 3],
+                block: [1; 3],
+                shared_mem_bytes: 0,
+                stream: 0,
+                read_errors: 0,
+                kernel: None,
+                held: true,
+            }),
+        }
+    }
+
+    fn kernel_of(ev: &Event) -> Option<&str> {
+        match &ev.body {
+            Body::Launch(l) => l.kernel.as_ref().map(|k| &*k.demangled),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_held_launch_goes_out_named_once_its_handle_is_learned_or_unnamed_when_its_time_is_up() {
+        let mut procs = HashMap::from([(7, Process::new(7, 1, 0))]);
+        let mut held = Held::default();
+        held.mark();
+        held.mark();
+        let mut batch = vec![launch(7, 100, 0xA), launch(7, 200, 0xB)];
+        held.settle(&mut batch, 300, &mut procs);
+        assert!(batch.is_empty(), "both wait");
+        held.learn(7, 0xA, Arc::new(KernelName::new("gemm")));
+        held.settle(&mut batch, 400, &mut procs);
+        assert_eq!(batch.iter().map(kernel_of).collect::<Vec<_>>(), [Some("gemm")]);
+        let p = &procs[&7];
+        assert_eq!((p.stats.named_launches, p.stats.unresolved_launches), (1, 0));
+        // 0xB is never named: it goes out when HOLD_NS has passed since its launch.
+        batch.clear();
+        held.settle(&mut batch, 200 + HOLD_NS, &mut procs);
+        assert!(batch.is_empty(), "not yet: exactly HOLD_NS");
+        held.settle(&mut batch, 201 + HOLD_NS, &mut procs);
+        assert_eq!(batch.iter().map(kernel_of).collect::<Vec<_>>(), [None]);
+        let p = &procs[&7];
+        assert_eq!((p.stats.named_launches, p.stats.unresolved_launches), (1, 1));
+        assert_eq!((held.named, held.unnamed, held.count), (1, 1, 0));
+        assert!(matches!(&batch[0].body, Body::Launch(l) if !l.held));
+    }
+
+    #[test]
+    fn a_launch_of_a_process_gone_is_not_counted_in_the_next_one_with_its_pid() {
+        let mut procs = HashMap::from([(7, Process::new(7, 1, 0))]);
+        let mut held = Held::default();
+        held.mark();
+        let mut batch = vec![launch(7, 100, 0xA)];
+        held.settle(&mut batch, 100, &mut procs);
+        procs.insert(7, Process::new(7, 2, 150));
+        held.settle(&mut batch, u64::MAX, &mut procs);
+        assert_eq!(batch.len(), 1, "written all the same");
+        let p = &procs[&7];
+        assert_eq!((p.stats.named_launches, p.stats.unresolved_launches), (0, 0));
     }
 }

@@ -313,6 +313,9 @@ pub struct Leak {
 #[derive(Debug)]
 pub struct Process {
     pub pid: u32,
+    /// Which process with this pid (the n-th the correlator created): a pid reused, or a
+    /// process forgotten and seen again, gets a new one.
+    pub serial: u64,
     pub comm: String,
     pub first_ts: u64,
     /// End of the latest call seen (entry + duration).
@@ -338,9 +341,10 @@ pub struct Process {
 }
 
 impl Process {
-    fn new(pid: u32, ts: u64) -> Self {
+    fn new(pid: u32, serial: u64, ts: u64) -> Self {
         Self {
             pid,
+            serial,
             comm: String::new(),
             first_ts: ts,
             last_ts: ts,
@@ -542,6 +546,8 @@ pub struct Correlator {
     pub nvtx_out: Vec<nvtx::NvtxRange>,
     /// Launches waiting for CUPTI to name their handle.
     pub held: late_names::Held,
+    /// Processes created so far ([`Process::serial`]).
+    serials: u64,
     lookup: Box<dyn Lookup>,
 }
 
@@ -564,6 +570,7 @@ impl Correlator {
             cupti_changes: Vec::new(),
             nvtx_out: Vec::new(),
             held: Default::default(),
+            serials: 0,
             lookup: Box::new(NoLookup),
         }
     }
@@ -608,10 +615,10 @@ impl Correlator {
                 }
             };
         }
-        let p = self
-            .procs
-            .entry(ev.pid)
-            .or_insert_with(|| Process::new(ev.pid, ev.ts_ns));
+        let p = self.procs.entry(ev.pid).or_insert_with(|| {
+            self.serials += 1;
+            Process::new(ev.pid, self.serials, ev.ts_ns)
+        });
         // GPU records come from the injection library's own threads: their names are not the
         // process's (look it up the first time, if nothing else named the process).
         let hook = matches!(ev.body, Body::Gpu(_) | Body::GpuName { .. } | Body::MarkerName { .. });
