@@ -763,6 +763,7 @@ fn send_status(inj: &Injection) {
     send(&[GpuRecord {
         kind: GpuRecordKind::Status as u32,
         start_ns: monotonic_ns(),
+        device: if LATE.load(Relaxed) { status_aux::INJECTED } else { 0 },
         cbid: inj.nvtx.load(Relaxed),
         aux,
         ..Default::default()

@@ -180,6 +180,9 @@ pub mod status_aux {
     pub const BUFFER_BYTES: usize = 6;
     /// The rate limit in records per second (0: none).
     pub const RATE_LIMIT: usize = 7;
+    /// A status record's `device` field: [`INJECTED`] when the library was loaded into a
+    /// running process (`--gpu-timing`), 0 when through `CUDA_INJECTION64_PATH`.
+    pub const INJECTED: u32 = 1;
 }
 
 /// What the injection library could do in its process.

@@ -194,6 +194,8 @@ pub struct Status {
     pub rate_limit: u64,
     /// Whether its NVTX calls reach CUPTI.
     pub nvtx: Option<NvtxState>,
+    /// The library was injected into the running process (`--gpu-timing`).
+    pub injected: bool,
 }
 
 /// Per-process counts of GPU activity.
@@ -467,6 +469,7 @@ impl GpuState {
                     buffer_bytes: a(status_aux::BUFFER_BYTES),
                     rate_limit: a(status_aux::RATE_LIMIT),
                     nvtx: NvtxState::from_u32(rec.cbid),
+                    injected: rec.device == status_aux::INJECTED,
                 };
                 let changed = new.state != self.status.state;
                 self.status = new;

@@ -648,12 +648,14 @@ impl Correlator {
                 *s.launch_apis.entry(spec.map_or("?", |a| a.0)).or_default() += 1;
                 if spec.is_some_and(|a| a.1 != Family::GraphLaunch) {
                     l.kernel = p.names.get(&l.function).cloned();
-                    // An unknown handle while CUPTI runs: its kernel record will name it
-                    // (late_names.rs).
+                    // An unknown handle while CUPTI runs in a process it was injected into
+                    // (its handles were loaded before the observer came): its kernel record
+                    // will name it (late_names.rs). Under `run` the uprobes saw every handle
+                    // that has a name, and launches are written as they come.
                     if l.kernel.is_none()
                         && p.gpu
                             .as_deref()
-                            .is_some_and(|g| g.status.state == Some(CuptiState::Active))
+                            .is_some_and(|g| g.status.injected && g.status.state == Some(CuptiState::Active))
                         && self.held.has_room()
                     {
                         l.held = true;
