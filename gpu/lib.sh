@@ -29,6 +29,20 @@ _T0=$SECONDS
 
 log() { printf '[%4ds] %s\n' "$((SECONDS - _T0))" "$*"; }
 warn() { log "WARN: $*"; }
+
+# The end of a validation that defines `report` (writes $WORK/report.log, fails when a run
+# failed): shows the report, then "NAME VALIDATION PASSED", or "... FAILED" and exit 1.
+finish_report() {
+    local rc=0
+    report || rc=$?
+    log "=== results (${SECONDS}s total)"
+    sed 's/^/  /' "$WORK/report.log"
+    if ((rc != 0)); then
+        log "$1 VALIDATION FAILED"
+        exit 1
+    fi
+    log "$1 VALIDATION PASSED"
+}
 die() {
     log "ERROR: $*" >&2
     exit 1

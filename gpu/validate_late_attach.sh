@@ -431,12 +431,4 @@ for w in "${JOB_LIST[@]}"; do
     report || true
 done
 
-rc=0
-report || rc=$?
-log "=== results (${SECONDS}s total)"
-sed 's/^/  /' "$WORK/report.log"
-if ((rc != 0)); then
-    log "LATE GPU TIMING VALIDATION FAILED"
-    exit 1
-fi
-log "LATE GPU TIMING VALIDATION PASSED"
+finish_report "LATE GPU TIMING"

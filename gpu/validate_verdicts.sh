@@ -398,12 +398,4 @@ for kind in "${KIND_LIST[@]}"; do
     report || true
 done
 
-rc=0
-report || rc=$?
-log "=== results (${SECONDS}s total)"
-sed 's/^/  /' "$WORK/report.log"
-if ((rc != 0)); then
-    log "VERDICT VALIDATION FAILED"
-    exit 1
-fi
-log "VERDICT VALIDATION PASSED"
+finish_report "VERDICT"

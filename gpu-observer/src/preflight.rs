@@ -147,7 +147,8 @@ fn mount_tracefs() -> bool {
     rc == 0
 }
 
-fn effective_caps() -> Option<u64> {
+/// This process's effective capabilities (`CapEff`).
+pub(crate) fn effective_caps() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("CapEff:"))?;
     u64::from_str_radix(line.trim_start_matches("CapEff:").trim(), 16).ok()

@@ -60,6 +60,12 @@ fn late_workload(extra: &[(&str, &str)]) -> Workload {
     Workload::spawn(late_command(extra))
 }
 
+/// `exit`: the workload answers `ok exit` and exits 0.
+fn exits_cleanly(w: Workload) {
+    let (bye, status) = w.exit_status();
+    assert_eq!((bye.as_str(), status.code()), ("ok exit", Some(0)), "{status}");
+}
+
 /// `load LIB`, `init`, `kernels late_gemm late_relu` (handles named before any observer), then
 /// the background thread launching them. The replies, in order.
 fn start_launching(w: &mut Workload, lib: &Path) -> Vec<String> {
@@ -648,8 +654,7 @@ fn refusal_no_libcuda() {
     // It loads and launches as ever.
     start_launching(&mut w, &fixtures().join("libcuda.so.1"));
     stop_background(&mut w, LAUNCHES_PER_PASS, "no_libcuda");
-    let (bye, status) = w.exit_status();
-    assert_eq!((bye.as_str(), status.code()), ("ok exit", Some(0)), "{status}");
+    exits_cleanly(w);
 
     let (mut child, spid) = spawn_ready(Command::new(fixtures().join("static_sleeper")), "ready");
     let t = Tool::run(spid, &injection_lib(), None, None, None);
@@ -771,8 +776,7 @@ fn refusal_traced() {
     assert_eq!(holder.wait().unwrap().code(), Some(0), "ptrace_hold's exit");
     assert_untouched(pid, "traced");
     stop_background(&mut w, LAUNCHES_PER_PASS, "traced");
-    let (bye, status) = w.exit_status();
-    assert_eq!((bye.as_str(), status.code()), ("ok exit", Some(0)), "{status}");
+    exits_cleanly(w);
 }
 
 /// inject_tool as nobody (no CAP_SYS_PTRACE) against a workload run as `owner`: refused as
@@ -797,8 +801,7 @@ fn ptrace_denied_case(owner: Option<u32>, says: &str, label: &str) {
     println!("{label}: {msg}");
     assert_untouched(pid, label);
     stop_background(&mut w, LAUNCHES_PER_PASS, label);
-    let (bye, status) = w.exit_status();
-    assert_eq!((bye.as_str(), status.code()), ("ok exit", Some(0)), "{status}");
+    exits_cleanly(w);
 }
 
 /// No permission to trace, against a process of nobody's own: the capability check's refusal.
@@ -887,8 +890,7 @@ fn refusal_cupti_busy() {
     assert_eq!(traced_threads(pid), vec![]);
     println!("busy: {launches} launches observed with uprobes; {msg}");
     stop_background(&mut w, LAUNCHES_PER_PASS, "busy");
-    let (bye, status) = w.exit_status();
-    assert_eq!((bye.as_str(), status.code()), ("ok exit", Some(0)), "{status}");
+    exits_cleanly(w);
 }
 
 /// The library needs a newer glibc than the process has: a copy whose needed versions say
@@ -941,8 +943,7 @@ fn refusal_glibc_too_old() {
     println!("glibc ({patched} names patched): {msg}");
     assert_untouched(pid, "glibc");
     stop_background(&mut w, LAUNCHES_PER_PASS, "glibc");
-    let (bye, status) = w.exit_status();
-    assert_eq!((bye.as_str(), status.code()), ("ok exit", Some(0)), "{status}");
+    exits_cleanly(w);
 }
 
 /// The workload's replies for one command sequence, with GPU timing given to it and withdrawn

@@ -76,6 +76,45 @@ pub fn scan_pid(pid: u32) -> Vec<MappedLibrary> {
     parse_maps(pid, &maps)
 }
 
+/// One line of `/proc/<pid>/maps`: `start-end perms offset dev inode path`, borrowed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapsLine<'a> {
+    pub start: u64,
+    pub end: u64,
+    pub perms: &'a str,
+    pub offset: u64,
+    /// `major:minor` as maps writes it.
+    pub dev: &'a str,
+    pub ino: u64,
+    /// Empty for an anonymous mapping; `[stack]`, `/memfd:… (deleted)` and the like as written.
+    pub path: &'a str,
+}
+
+/// Most maps lines looked at (a process may have at most `vm.max_map_count`, 65 530 by default).
+const MAX_MAPPINGS: usize = 1 << 16;
+
+/// The lines of a maps text that parse, at most [`MAX_MAPPINGS`].
+pub fn maps_lines(text: &[u8]) -> impl Iterator<Item = MapsLine<'_>> {
+    text.split(|&b| b == b'\n').take(MAX_MAPPINGS).filter_map(|line| {
+        let line = std::str::from_utf8(line).ok()?;
+        let mut f = line.splitn(6, ' ');
+        let (start, end) = f.next()?.split_once('-')?;
+        let perms = f.next()?;
+        let offset = u64::from_str_radix(f.next()?, 16).ok()?;
+        let dev = f.next()?;
+        let ino = f.next()?.parse().ok()?;
+        Some(MapsLine {
+            start: u64::from_str_radix(start, 16).ok()?,
+            end: u64::from_str_radix(end, 16).ok()?,
+            perms,
+            offset,
+            dev,
+            ino,
+            path: f.next().map_or("", str::trim_start),
+        })
+    })
+}
+
 /// The libraries in the text of `/proc/<pid>/maps`.
 fn parse_maps(pid: u32, maps: &[u8]) -> Vec<MappedLibrary> {
     let mut found: Vec<MappedLibrary> = Vec::new();
@@ -86,20 +125,15 @@ fn parse_maps(pid: u32, maps: &[u8]) -> Vec<MappedLibrary> {
     {
         return found;
     }
-    for line in maps.split(|&b| b == b'\n') {
-        let Ok(line) = std::str::from_utf8(line) else {
-            continue;
-        };
-        // address perms offset dev inode path
-        let mut fields = line.splitn(6, ' ');
-        let range = fields
-            .next()
-            .and_then(|r| r.split_once('-'))
-            .and_then(|(a, b)| Some((u64::from_str_radix(a, 16).ok()?, u64::from_str_radix(b, 16).ok()?)));
-        let (Some(dev), Some(Ok(ino))) = (fields.nth(2), fields.next().map(str::parse::<u64>)) else {
-            continue;
-        };
-        let path = fields.next().map(str::trim_start).unwrap_or("");
+    for MapsLine {
+        start,
+        end,
+        dev,
+        ino,
+        path,
+        ..
+    } in maps_lines(maps)
+    {
         let injected = super::inject::is_injected(path);
         if !path.starts_with('/') || (path.ends_with(" (deleted)") && !injected) || ino == 0 {
             continue;
@@ -119,7 +153,7 @@ fn parse_maps(pid: u32, maps: &[u8]) -> Vec<MappedLibrary> {
             pid,
             path: path.to_string(),
             mapping,
-            range: if injected { range } else { None },
+            range: injected.then_some((start, end)),
         });
     }
     found

@@ -122,7 +122,7 @@ impl Run {
         let Some(mut g) = self.gpu_timing.take() else {
             return;
         };
-        g.start(self.at.known_pids.iter().copied().collect::<Vec<_>>().into_iter());
+        g.start(self.at.known_pids.iter().copied());
         let mut rescan = false;
         let mut i = 0;
         while i < g.running.len() {

@@ -228,7 +228,7 @@ pub fn inject(pid: u32, lib: &Library) -> Result<Outcome, Refusal> {
     }
     check_ptrace(pid)?;
     let loader = Loader::find(pid, &maps, lib)?;
-    let cave = find_cave(pid, &maps)?;
+    let cave = find_cave(pid, &maps, &loader)?;
     let candidates = target::candidates(pid, &target::threads(pid));
     if candidates.is_empty() {
         return Err(refuse(
@@ -270,10 +270,7 @@ pub fn inject(pid: u32, lib: &Library) -> Result<Outcome, Refusal> {
 /// The refusals that need no stop: another tracer, Yama, the capability.
 fn check_ptrace(pid: u32) -> Result<(), Refusal> {
     if let Some(t) = target::tracer(pid) {
-        let comm = std::fs::read(format!("/proc/{t}/comm")).unwrap_or_default();
-        let comm = String::from_utf8_lossy(&comm[..comm.len().min(64)])
-            .trim_end()
-            .to_string();
+        let comm = crate::procinfo::ProcInfo::host().comm(t).unwrap_or_default();
         return Err(refuse(
             Reason::Traced,
             format!(
@@ -312,6 +309,9 @@ struct Loader {
     dlopen: u64,
     dlerror: u64,
     mode: u32,
+    /// libc's mapping and executable segments (read once, for [`find_cave`] too).
+    libc: Mapping,
+    libc_code: Vec<(u64, u64)>,
 }
 
 const RTLD_NOW: u32 = 2;
@@ -384,47 +384,58 @@ impl Loader {
         } else {
             0
         };
-        Ok(Self { dlopen, dlerror, mode })
+        Ok(Self {
+            dlopen,
+            dlerror,
+            mode,
+            libc: libc.clone(),
+            libc_code: facts.code,
+        })
     }
 }
 
 /// Unused bytes after the end of an executable segment, in its last page: where the loader
-/// code goes. libc's first (every glibc process has it), then the other libraries'.
-fn find_cave(pid: u32, maps: &[Mapping]) -> Result<u64, Refusal> {
+/// code goes. libc's first (every glibc process has it; already read by [`Loader::find`]),
+/// then the other libraries'.
+fn find_cave(pid: u32, maps: &[Mapping], loader: &Loader) -> Result<u64, Refusal> {
     const MAX_FILES: usize = 16;
+    let same_file = |a: &Mapping, b: &Mapping| a.ino == b.ino && a.dev == b.dev;
+    if let Some(at) = cave_in(maps, &loader.libc, &loader.libc_code) {
+        return Ok(at);
+    }
     let mut files: Vec<&Mapping> = Vec::new();
     for m in maps
         .iter()
-        .filter(|m| m.executable() && m.path.starts_with('/') && m.ino != 0)
+        .filter(|m| m.executable() && m.path.starts_with('/') && m.ino != 0 && !same_file(m, &loader.libc))
     {
-        if !files.iter().any(|f| f.ino == m.ino && f.dev == m.dev) {
+        if !files.iter().any(|f| same_file(f, m)) {
             files.push(m);
         }
     }
-    files.sort_by_key(|m| !m.file_name().starts_with("libc.so"));
     for m in files.into_iter().take(MAX_FILES) {
-        let Ok(facts) = target::facts(pid, m, &[]) else {
-            continue;
-        };
-        for &(_, end) in &facts.code {
-            let Some(last) = end.checked_sub(1) else { continue };
-            let Some(at) = target::address_of(maps, m, last).map(|a| a + 1) else {
-                continue;
-            };
-            let Some(region) = maps.iter().find(|r| r.start < at && at <= r.end && r.executable()) else {
-                continue;
-            };
-            let start = (at + 15) & !15;
-            let limit = ((at + 4095) & !4095).min(region.end);
-            if start + code::CODE_MAX <= limit {
-                return Ok(start);
-            }
+        if let Some(at) = target::facts(pid, m, &[])
+            .ok()
+            .and_then(|facts| cave_in(maps, m, &facts.code))
+        {
+            return Ok(at);
         }
     }
     Err(refuse(
         Reason::Failed,
         format!("no room for the loader code in pid {pid}'s libraries"),
     ))
+}
+
+/// Room for the loader code after one of `file`'s executable segments (`code`: their file
+/// ranges), inside the same executable mapping and page.
+fn cave_in(maps: &[Mapping], file: &Mapping, code: &[(u64, u64)]) -> Option<u64> {
+    code.iter().find_map(|&(_, end)| {
+        let at = target::address_of(maps, file, end.checked_sub(1)?)? + 1;
+        let region = maps.iter().find(|r| r.start < at && at <= r.end && r.executable())?;
+        let start = (at + 15) & !15;
+        let limit = ((at + 4095) & !4095).min(region.end);
+        (start + code::CODE_MAX <= limit).then_some(start)
+    })
 }
 
 /// A borrowed thread, stopped, with what it was doing.

@@ -7,6 +7,7 @@
 use std::fs;
 
 use super::super::{
+    discover,
     open::{self, Opened},
     symbols::{self, ElfFacts},
 };
@@ -35,54 +36,26 @@ impl Mapping {
     }
 }
 
-/// Most maps lines looked at (a real process has a few thousand).
-const MAX_MAPPINGS: usize = 1 << 16;
-
 pub fn maps(pid: u32) -> std::io::Result<Vec<Mapping>> {
     let text = fs::read(format!("/proc/{pid}/maps"))?;
     Ok(parse_maps(&text))
 }
 
 pub fn parse_maps(text: &[u8]) -> Vec<Mapping> {
-    let mut out = Vec::new();
-    for line in text.split(|&b| b == b'\n').take(MAX_MAPPINGS) {
-        let Ok(line) = std::str::from_utf8(line) else {
-            continue;
-        };
-        let mut f = line.splitn(6, ' ');
-        let (Some(range), Some(perms), Some(offset), Some(dev), Some(ino)) =
-            (f.next(), f.next(), f.next(), f.next(), f.next())
-        else {
-            continue;
-        };
-        let path = f.next().unwrap_or("").trim_start().to_string();
-        let Some((s, e)) = range.split_once('-') else {
-            continue;
-        };
-        let (Ok(start), Ok(end), Ok(offset), Ok(ino)) = (
-            u64::from_str_radix(s, 16),
-            u64::from_str_radix(e, 16),
-            u64::from_str_radix(offset, 16),
-            ino.parse::<u64>(),
-        ) else {
-            continue;
-        };
-        let Ok(perms) = <[u8; 4]>::try_from(perms.as_bytes()) else {
-            continue;
-        };
-        if end > start {
-            out.push(Mapping {
-                start,
-                end,
-                perms,
-                offset,
-                dev: dev.to_string(),
-                ino,
-                path,
-            });
-        }
-    }
-    out
+    discover::maps_lines(text)
+        .filter(|l| l.end > l.start)
+        .filter_map(|l| {
+            Some(Mapping {
+                start: l.start,
+                end: l.end,
+                perms: <[u8; 4]>::try_from(l.perms.as_bytes()).ok()?,
+                offset: l.offset,
+                dev: l.dev.to_string(),
+                ino: l.ino,
+                path: l.path.to_string(),
+            })
+        })
+        .collect()
 }
 
 /// The address where byte `offset` of `file`'s file is mapped (by a mapping of that file).
@@ -245,14 +218,7 @@ pub fn yama_scope() -> Option<u32> {
 
 /// Whether this process has CAP_SYS_PTRACE (bit 19 of its effective set).
 pub fn has_cap_sys_ptrace() -> bool {
-    fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("CapEff:"))
-                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        })
-        .is_some_and(|caps| caps & (1 << 19) != 0)
+    crate::preflight::effective_caps().is_some_and(|caps| caps & (1 << 19) != 0)
 }
 
 #[cfg(test)]
