@@ -561,7 +561,14 @@ fn check_invariants(records: &[Vec<u8>], snap: &Snapshot, seen: &Seen) -> Result
         let calls: u64 = s.call_apis.values().sum();
         prop_assert!(s.launches + calls + s.ioctls.count <= s.events);
         prop_assert_eq!(s.launch_apis.values().sum::<u64>(), s.launches);
-        prop_assert!(s.named_launches + s.unresolved_launches <= s.launches);
+        prop_assert!(
+            s.named_launches + s.unresolved_launches <= s.launches,
+            "pid {}: {} launches, {} named, {} unresolved",
+            p.pid,
+            s.launches,
+            s.named_launches,
+            s.unresolved_launches
+        );
         prop_assert!(s.failed_calls + s.abandoned_calls <= calls);
         if !p.exited {
             prop_assert_eq!(p.leaks.iter().map(|l| l.count).sum::<u64>(), s.live_allocs);
@@ -621,8 +628,18 @@ proptest! {
 // ---------------------------------------------------------------------------------------------
 // correlate, through the pipeline
 
+/// `default` cases, or `GPU_OBSERVER_PROPTEST_CASES` of them: a longer search than CI's, run by
+/// hand after a failure CI found (proptest's own `PROPTEST_CASES` does not override a
+/// `with_cases`).
+fn cases(default: u32) -> u32 {
+    std::env::var("GPU_OBSERVER_PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(300))]
+    #![proptest_config(ProptestConfig::with_cases(cases(300)))]
 
     #[test]
     fn the_pipeline_never_panics_and_counts_every_record_once(

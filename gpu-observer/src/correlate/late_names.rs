@@ -27,9 +27,11 @@ const MAX_LEARNED: usize = 65_536;
 
 #[derive(Default)]
 pub struct Held {
-    /// Per pid: the launches waiting, each with the [`Process::serial`] of its process (a pid
-    /// reused, or a process forgotten and seen again, is another process: its statistics must
-    /// not count the old one's launches).
+    /// Per pid: the launches waiting, each with the [`Process::serial`] of the process it was
+    /// observed in (a pid reused, or a process forgotten and seen again, is another process:
+    /// its statistics must not count the old one's launches; the serial is taken when the
+    /// launch is observed, since the process may be gone and its pid reused before the batch
+    /// ends).
     queues: HashMap<u32, VecDeque<(Event, u64)>>,
     count: usize,
     learned: Vec<(u32, u64, Arc<KernelName>)>,
@@ -66,8 +68,7 @@ impl Held {
         if self.marked {
             self.marked = false;
             for ev in std::mem::take(batch) {
-                if waits(&ev) {
-                    let first = procs.get(&ev.pid).map_or(0, |p| p.serial);
+                if let Some(first) = waits(&ev) {
                     self.queues.entry(ev.pid).or_default().push_back((ev, first));
                 } else {
                     batch.push(ev);
@@ -108,15 +109,19 @@ impl Held {
     }
 }
 
-fn waits(ev: &Event) -> bool {
-    matches!(&ev.body, Body::Launch(l) if l.held)
+/// The serial of the process a launch marked to wait was observed in.
+fn waits(ev: &Event) -> Option<u64> {
+    match &ev.body {
+        Body::Launch(l) => l.held,
+        _ => None,
+    }
 }
 
 /// A launch goes out: counted named or unresolved in its process, as if it had just been
 /// observed (not in another process that now has its pid).
 fn release(ev: &mut Event, serial: u64, procs: &mut HashMap<u32, Process>) {
     let Body::Launch(l) = &mut ev.body else { return };
-    l.held = false;
+    l.held = None;
     if let Some(p) = procs.get_mut(&ev.pid)
         && p.serial == serial
     {
@@ -144,7 +149,7 @@ mod tests {
                 stream: 0,
                 read_errors: 0,
                 kernel: None,
-                held: true,
+                held: Some(1),
             }),
         }
     }
@@ -179,7 +184,7 @@ mod tests {
         let p = &procs[&7];
         assert_eq!((p.stats.named_launches, p.stats.unresolved_launches), (1, 1));
         assert_eq!((held.named, held.unnamed, held.count), (1, 1, 0));
-        assert!(matches!(&batch[0].body, Body::Launch(l) if !l.held));
+        assert!(matches!(&batch[0].body, Body::Launch(l) if l.held.is_none()));
     }
 
     #[test]
@@ -192,6 +197,21 @@ mod tests {
         procs.insert(7, Process::new(7, 2, 150));
         held.settle(&mut batch, u64::MAX, &mut procs);
         assert_eq!(batch.len(), 1, "written all the same");
+        let p = &procs[&7];
+        assert_eq!((p.stats.named_launches, p.stats.unresolved_launches), (0, 0));
+    }
+
+    #[test]
+    fn a_launch_whose_process_was_replaced_within_its_batch_is_not_counted_in_the_new_one() {
+        // Observed in serial 1; the process exited, was forgotten and its pid came back as
+        // serial 2, all before the batch ended (found by the pipeline's property test).
+        let mut procs = HashMap::from([(7, Process::new(7, 2, 150))]);
+        let mut held = Held::default();
+        held.mark();
+        let mut batch = vec![launch(7, 100, 0xA)];
+        held.settle(&mut batch, 200, &mut procs);
+        held.settle(&mut batch, u64::MAX, &mut procs);
+        assert_eq!(batch.len(), 1);
         let p = &procs[&7];
         assert_eq!((p.stats.named_launches, p.stats.unresolved_launches), (0, 0));
     }

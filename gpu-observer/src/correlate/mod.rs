@@ -658,7 +658,7 @@ impl Correlator {
                             .is_some_and(|g| g.status.injected && g.status.state == Some(CuptiState::Active))
                         && self.held.has_room()
                     {
-                        l.held = true;
+                        l.held = Some(p.serial);
                         self.held.mark();
                     } else {
                         count_launch(p, l.kernel.as_ref());
@@ -1128,7 +1128,7 @@ mod tests {
         let launch = |f: u64| {
             ev(
                 Body::Launch(Launch {
-                    held: false,
+                    held: None,
                     function: f,
                     grid: [1; 3],
                     block: [1; 3],

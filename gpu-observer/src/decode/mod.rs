@@ -56,8 +56,9 @@ pub struct Launch {
     /// Set by correlate when the handle's name is known.
     pub kernel: Option<Arc<KernelName>>,
     /// Set by correlate: the launch waits for CUPTI to name its handle
-    /// (correlate/late_names.rs).
-    pub held: bool,
+    /// (correlate/late_names.rs); the serial of the process it was observed in, which is the
+    /// one its name is counted in when it goes out.
+    pub held: Option<u64>,
 }
 
 /// A kernel's name as loaded and as people read it.
@@ -209,7 +210,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 stream: r.stream,
                 read_errors: r.read_errors,
                 kernel: None,
-                held: false,
+                held: None,
             })
         }
         EventKind::Call => {

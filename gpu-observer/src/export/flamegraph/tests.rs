@@ -30,7 +30,7 @@ fn launch(pid: u32, tid: u32, name: &[u8], api: &str, kernel: Option<&str>) -> E
         comm: comm(name),
         api: Some(spec(api)),
         body: Body::Launch(Launch {
-            held: false,
+            held: None,
             function: 0xF000,
             grid: [1, 1, 1],
             block: [1, 1, 1],

@@ -60,7 +60,7 @@ fn launch(ts: u64, api: &str) -> Event {
         101,
         api,
         Body::Launch(Launch {
-            held: false,
+            held: None,
             function: 0x10,
             grid: [4, 1, 1],
             block: [128, 1, 1],
