@@ -61,6 +61,9 @@ pub mod limits {
     pub const MAX_PROCESSES: u32 = 16_384;
     /// Threads inside a probed CUDA call (or an ioctl) at once.
     pub const MAX_INFLIGHT_THREADS: u32 = 65_536;
+    /// (process, kind) pairs whose ring-buffer drops are counted (LRU beyond; per CPU, as
+    /// many values as the per-process map it replaced).
+    pub const MAX_DROP_KEYS: u32 = 16_384;
     /// Default ring buffer size: 8 MiB (docs/DESIGN.md "Defaults").
     pub const DEFAULT_RING_BYTES: u32 = 8 * 1024 * 1024;
 }

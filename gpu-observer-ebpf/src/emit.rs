@@ -119,11 +119,12 @@ fn count_drop(kind: EventKind, tgid: u32) {
         // SAFETY: per-CPU slot, only this CPU writes it while preemption is off in the program.
         unsafe { *p += 1 };
     }
-    match DROPS_BY_PID.get_ptr_mut(tgid) {
+    let key = gpu_observer_common::event::drop_key(tgid, kind);
+    match DROPS_BY_PID.get_ptr_mut(key) {
         // SAFETY: per-CPU value, only this CPU writes it while the program runs.
         Some(p) => unsafe { *p += 1 },
         None => {
-            let _ = DROPS_BY_PID.insert(tgid, 1u64, 0);
+            let _ = DROPS_BY_PID.insert(key, 1u64, 0);
         }
     }
 }

@@ -43,6 +43,7 @@ pub static IOCTLS: LruHashMap<u32, IoctlStart> = LruHashMap::with_max_entries(li
 #[map]
 pub static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(EventKind::COUNT, 0);
 
-/// Records that did not fit in the ring, per tgid (per CPU: no atomics needed).
+/// Records that did not fit in the ring, per process and kind: key `tgid << 8 | kind`
+/// ([`gpu_observer_common::event::drop_key`]); per CPU, so no add is ever lost.
 #[map]
-pub static DROPS_BY_PID: LruPerCpuHashMap<u32, u64> = LruPerCpuHashMap::with_max_entries(limits::MAX_PROCESSES, 0);
+pub static DROPS_BY_PID: LruPerCpuHashMap<u64, u64> = LruPerCpuHashMap::with_max_entries(limits::MAX_DROP_KEYS, 0);

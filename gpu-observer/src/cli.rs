@@ -141,6 +141,29 @@ pub struct Cli {
     #[arg(long, global = true)]
     pub no_cupti: bool,
 
+    /// Fleet mode: the probes of launches, copies, memsets and syncs are attached only during
+    /// capture windows this long (e.g. 1s, 500ms), one per --capture-period at a random point
+    /// of it; allocations, frees, module loads, NVML and process discovery stay on. Rates and
+    /// the verdict are estimated from the windows (`capture_fraction`, `estimate_error`).
+    /// Default: always on (exact), as for --pid and `run`.
+    #[arg(long, value_name = "DURATION", value_parser = parse_span, global = true)]
+    pub capture_window: Option<std::time::Duration>,
+
+    /// Fleet mode: one capture window per this much time (default 10s).
+    #[arg(long, value_name = "DURATION", value_parser = parse_span, global = true)]
+    pub capture_period: Option<std::time::Duration>,
+
+    /// Fleet mode: size each capture window so that the probes cost the busiest observed
+    /// process at most this percentage of its time (0.1 to 50), from the call rates measured
+    /// in the windows; --capture-window is then the first window's length (default 1s).
+    #[arg(long, value_name = "PCT", value_parser = parse_budget, global = true)]
+    pub overhead_budget: Option<f64>,
+
+    /// Benchmarks: attach every probe but leave the programs off (they return at once), to
+    /// measure what the uprobe traps alone cost. Nothing is recorded.
+    #[arg(long, hide = true, global = true)]
+    pub probes_floor: bool,
+
     /// Attach perf-event uprobes instead of uprobe-multi links (the fallback for kernels before
     /// 6.6; for troubleshooting). They take ~85 ms each to detach at exit.
     #[arg(long, hide = true, global = true)]
@@ -251,6 +274,34 @@ fn parse_duration(s: &str) -> Result<f64, String> {
     Ok(v)
 }
 
+/// A span of time: `1s`, `500ms`, `1.5` (seconds); from 10 ms to an hour.
+fn parse_span(s: &str) -> Result<std::time::Duration, String> {
+    let t = s.trim();
+    let (num, scale) = if let Some(n) = t.strip_suffix("ms") {
+        (n, 1e-3)
+    } else if let Some(n) = t.strip_suffix('s') {
+        (n, 1.0)
+    } else {
+        (t, 1.0)
+    };
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a time span (e.g. 1s, 500ms, 2.5)"))?;
+    let secs = v * scale;
+    if !secs.is_finite() || !(0.01..=3600.0).contains(&secs) {
+        return Err(format!("{s} is out of range: from 10ms to 3600s"));
+    }
+    Ok(std::time::Duration::from_secs_f64(secs))
+}
+
+fn parse_budget(s: &str) -> Result<f64, String> {
+    match s.trim().trim_end_matches('%').parse::<f64>() {
+        Ok(v) if (0.1..=50.0).contains(&v) => Ok(v),
+        _ => Err(format!("`{s}` is not a percentage from 0.1 to 50")),
+    }
+}
+
 fn parse_queue(s: &str) -> Result<usize, String> {
     match s.trim().parse::<u64>() {
         Ok(v @ 1..=16_777_216) => Ok(v as usize),
@@ -313,6 +364,33 @@ impl Cli {
         matches!(self.command, Some(Command::Run { .. }))
     }
 
+    /// Fleet mode's windows (`--capture-window`, `--capture-period`, `--overhead-budget`), or
+    /// None (always on); an error says what to change.
+    pub fn capture(&self) -> Result<Option<crate::observe::capture::Config>, String> {
+        if self.capture_window.is_none() && self.overhead_budget.is_none() {
+            if self.capture_period.is_some() {
+                return Err("--capture-period needs --capture-window or --overhead-budget".into());
+            }
+            return Ok(None);
+        }
+        let period = self.capture_period.unwrap_or(std::time::Duration::from_secs(10));
+        let window = self
+            .capture_window
+            .unwrap_or(std::time::Duration::from_secs(1))
+            .min(period);
+        if self.capture_window.is_some_and(|w| w >= period) {
+            return Err(format!(
+                "--capture-window ({:?}) must be shorter than --capture-period ({period:?}); leave both out to capture always",
+                window
+            ));
+        }
+        Ok(Some(crate::observe::capture::Config {
+            window,
+            period,
+            budget_pct: self.overhead_budget,
+        }))
+    }
+
     /// The anomaly detector's settings.
     pub fn anomalies(&self) -> crate::analyze::anomaly::Config {
         crate::analyze::anomaly::Config {
@@ -326,6 +404,29 @@ impl Cli {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn capture_spans_take_units_and_the_window_must_fit_the_period() {
+        assert_eq!(parse_span("1s"), Ok(std::time::Duration::from_secs(1)));
+        assert_eq!(parse_span("250ms"), Ok(std::time::Duration::from_millis(250)));
+        assert_eq!(parse_span("2.5"), Ok(std::time::Duration::from_millis(2500)));
+        assert!(parse_span("5ms").is_err());
+        assert!(parse_span("2h").is_err());
+        assert!(parse_budget("2%").is_ok() && parse_budget("0").is_err());
+        let cli = Cli::parse_from(["gpu-observer", "--capture-window", "1s", "--capture-period", "10s"]);
+        let c = cli.capture().unwrap().unwrap();
+        assert_eq!(
+            (c.window.as_millis(), c.period.as_millis(), c.budget_pct),
+            (1000, 10_000, None)
+        );
+        let cli = Cli::parse_from(["gpu-observer", "--capture-window", "10s", "--capture-period", "10s"]);
+        assert!(cli.capture().unwrap_err().contains("shorter"));
+        let cli = Cli::parse_from(["gpu-observer", "--capture-period", "10s"]);
+        assert!(cli.capture().is_err());
+        assert!(Cli::parse_from(["gpu-observer"]).capture().unwrap().is_none());
+        let cli = Cli::parse_from(["gpu-observer", "--overhead-budget", "2"]);
+        assert_eq!(cli.capture().unwrap().unwrap().budget_pct, Some(2.0));
+    }
 
     #[test]
     fn ring_size_must_be_a_page_power_of_two() {

@@ -60,6 +60,8 @@ pub enum Request {
     Verdicts(u64, Vec<ProcessVerdict>),
     /// What `--gpu-timing` did to a process, to write.
     GpuTiming(crate::export::GpuTimingNote),
+    /// A capture window opened or closed (fleet mode), to write.
+    Capture(crate::observe::capture::Edge),
     /// Drain what is left, publish the last snapshot, and give the sinks back.
     Stop,
 }
@@ -297,6 +299,11 @@ impl Pipeline {
             Request::GpuTiming(n) => {
                 for s in &mut self.sinks {
                     s.gpu_timing(&n).with_context(|| failed(&**s))?;
+                }
+            }
+            Request::Capture(e) => {
+                for s in &mut self.sinks {
+                    s.capture(&e).with_context(|| failed(&**s))?;
                 }
             }
             Request::Verdicts(ts_ns, vs) => {

@@ -4,7 +4,7 @@
 
 use std::borrow::Cow;
 
-use gpu_observer_common::api::Family;
+use gpu_observer_common::api::{ApiSpec, Family};
 
 /// A call or GPU record is slow when it took at least the threshold (`--threshold-us`,
 /// 100 µs by default, docs/DESIGN.md "Defaults"). Equality is slow.
@@ -22,6 +22,27 @@ pub fn kept(duration_ns: u64, threshold_ns: u64, trace_all: bool, anomalous: boo
 /// The CPU-side calls sampled by duration: copies, memsets, syncs (every other call is kept).
 pub fn sampled_by_duration(family: Family) -> bool {
     matches!(family, Family::Memcpy | Family::Memset | Family::Sync)
+}
+
+/// Fleet mode (`--capture-window`): the entry points whose probes are attached only during
+/// capture windows. They are the ones called at the rate of the work itself: launches, copies,
+/// memsets, syncs, host functions, and `cuKernelGetFunction`, which PyTorch calls before its
+/// launches (measured on the H100: 8 a step of a 61-launch training step, docs/BENCHMARKS.md
+/// "Fleet mode"); its trap is paid again in the next window, so nothing is lost by it.
+/// Allocations and frees (leak tracking stays exact), initialization, module loads and the
+/// other naming calls (made once per kernel: JAX and CuPy name every kernel at load) stay
+/// attached.
+pub fn follows_capture_windows(spec: &ApiSpec) -> bool {
+    matches!(
+        spec.family,
+        Family::Launch
+            | Family::LaunchEx
+            | Family::GraphLaunch
+            | Family::Memcpy
+            | Family::Memset
+            | Family::Sync
+            | Family::HostFunc
+    ) || spec.name == "cuKernelGetFunction"
 }
 
 /// MB/s = bytes·1e6 / (duration_us·1048576) (MB = MiB, as the design documents define it);

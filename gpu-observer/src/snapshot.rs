@@ -98,6 +98,9 @@ pub struct GpuView {
 pub struct AgentStats {
     pub drops: Drops,
     pub attach_failures: u64,
+    /// Fleet mode: the share of the time since the first capture window that the windows
+    /// covered (the windowed counters saw that share of the calls).
+    pub capture_fraction: Option<f64>,
 }
 
 /// The agent's state at one moment.

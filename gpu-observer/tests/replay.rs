@@ -338,6 +338,7 @@ fn replay(trace_all: bool, end_ns: u64) -> Replay {
             .map(|k| (EventKind::from_u32(k).unwrap(), 0))
             .collect(),
         by_pid: HashMap::new(),
+        by_pid_kind: HashMap::new(),
     };
     let agent = [
         ("otlp", total["otlp"].clone()),

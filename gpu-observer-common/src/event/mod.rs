@@ -47,6 +47,12 @@ impl EventKind {
     }
 }
 
+/// The key of a (process, kind) drop counter: `tgid << 8 | kind`.
+#[inline(always)]
+pub const fn drop_key(tgid: u32, kind: EventKind) -> u64 {
+    ((tgid as u64) << 8) | kind as u64
+}
+
 pub const COMM_LEN: usize = 16;
 
 /// Common prefix of every record.

@@ -2,6 +2,7 @@
 //! GPU time by verdict class for fleets. Reads snapshots only (docs/DESIGN.md, "Verdicts").
 
 pub mod anomaly;
+pub mod estimate;
 pub mod findings;
 pub mod gpu_time;
 pub mod verdict;

@@ -152,6 +152,15 @@ pub struct Evidence {
     /// same with or without.
     pub anomalies: u64,
     pub worst_anomaly: Option<Noted>,
+    /// Fleet mode: the share of the window the capture windows covered; the counts of
+    /// launches, calls, syncs and copies above are then estimates scaled from them
+    /// (analyze/estimate.rs). `None`: captured all the time, exact.
+    pub capture_fraction: Option<f64>,
+    /// With `capture_fraction`: the relative error of those rates at 95 %.
+    pub estimate_error: Option<f64>,
+    /// Records of the process the ring buffer had no room for in the window: the evidence is
+    /// partial (the counts are low by at least that much).
+    pub dropped: u64,
 }
 
 impl Evidence {
@@ -360,6 +369,16 @@ impl Verdict {
                 e.host().name(),
                 e.frac(e.process_cpu_ns) * 100.0
             ));
+        }
+        if let (Some(f), Some(err)) = (e.capture_fraction, e.estimate_error) {
+            parts.push(format!(
+                "estimated from {:.0}% of the time (±{:.0}%)",
+                f * 100.0,
+                err * 100.0
+            ));
+        }
+        if e.dropped > 0 {
+            parts.push(format!("evidence partial: {} records dropped", e.dropped));
         }
         let second = self
             .secondary

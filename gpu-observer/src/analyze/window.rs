@@ -9,6 +9,7 @@ use std::{
 };
 
 use super::{
+    estimate::{self, CaptureLog},
     findings::{Noted, worse},
     gpu_time::{GpuTime, Holder, Published},
     verdict::{BusySource, Class, Evidence, TopKernel, Verdict, classify},
@@ -56,6 +57,8 @@ struct Sample {
     threads: Vec<(u32, u64)>,
     /// Anomalies flagged so far.
     anomalies: u64,
+    /// Records of the process dropped (ring buffer full) so far.
+    dropped: u64,
 }
 
 /// The kernels with the most GPU time between two samples. Exact for a kernel among `a`'s
@@ -102,7 +105,9 @@ fn top_kernels(a: &Sample, b: &Sample) -> Vec<TopKernel> {
 /// from its first reading (`first_read`: when, and how much) if that came after `a` — the CPU
 /// time it had before then is not known and not counted — and not at all otherwise (it was
 /// read before `a`, so its time before the window would be counted).
-fn between(a: &Sample, b: &Sample, first_read: &HashMap<u32, (u64, u64)>) -> Evidence {
+/// `captured_ns`: fleet mode's captured time between the two (analyze/estimate.rs); the
+/// counts the windowed probes feed are scaled by it.
+fn between(a: &Sample, b: &Sample, first_read: &HashMap<u32, (u64, u64)>, captured_ns: Option<u64>) -> Evidence {
     let launch_thread_cpu_ns = b
         .threads
         .iter()
@@ -145,26 +150,32 @@ fn between(a: &Sample, b: &Sample, first_read: &HashMap<u32, (u64, u64)>) -> Evi
         }
         (None, None, None) => (None, BusySource::None),
     };
+    let partial = captured_ns.filter(|c| *c < window_ns);
+    let est = |n: u64| partial.map_or(n, |c| estimate::scale(n, c, window_ns));
+    let calls_seen = b.calls.saturating_sub(a.calls);
     Evidence {
         window_ns,
+        capture_fraction: partial.map(|c| c as f64 / window_ns.max(1) as f64),
+        estimate_error: partial.map(|_| estimate::error_bound(calls_seen)),
+        dropped: b.dropped.saturating_sub(a.dropped),
         busy_source,
-        calls: b.calls.saturating_sub(a.calls),
-        launches: b.launches.saturating_sub(a.launches),
+        calls: est(calls_seen),
+        launches: est(b.launches.saturating_sub(a.launches)),
         gpu_busy: gpu_busy.map(|b| b.clamp(0.0, 1.0)),
         kernels: b.kernels.saturating_sub(a.kernels),
         kernel_ns: b.kernel_ns.saturating_sub(a.kernel_ns),
         top_kernels: top_kernels(a, b),
         launch_thread_cpu_ns,
         process_cpu_ns: b.process_cpu_ns.saturating_sub(a.process_cpu_ns),
-        syncs: b.syncs.saturating_sub(a.syncs),
-        sync_ns: b.sync_ns.saturating_sub(a.sync_ns),
+        syncs: est(b.syncs.saturating_sub(a.syncs)),
+        sync_ns: est(b.sync_ns.saturating_sub(a.sync_ns)),
         copies: std::array::from_fn(|i| Amount {
-            count: b.copies[i].count.saturating_sub(a.copies[i].count),
-            bytes: b.copies[i].bytes.saturating_sub(a.copies[i].bytes),
-            ns: b.copies[i].ns.saturating_sub(a.copies[i].ns),
+            count: est(b.copies[i].count.saturating_sub(a.copies[i].count)),
+            bytes: est(b.copies[i].bytes.saturating_sub(a.copies[i].bytes)),
+            ns: est(b.copies[i].ns.saturating_sub(a.copies[i].ns)),
         }),
-        pinned_copies: b.pinned_copies.saturating_sub(a.pinned_copies),
-        pageable_copies: b.pageable_copies.saturating_sub(a.pageable_copies),
+        pinned_copies: est(b.pinned_copies.saturating_sub(a.pinned_copies)),
+        pageable_copies: est(b.pageable_copies.saturating_sub(a.pageable_copies)),
         link_bytes_per_s: b.link_bytes_per_s,
         anomalies: b.anomalies.saturating_sub(a.anomalies),
         // The caller's: the samples keep counts, the snapshot the findings.
@@ -198,6 +209,9 @@ struct Tracked {
 pub struct Tracker {
     procs: HashMap<u32, Tracked>,
     gpu_time: GpuTime,
+    /// Fleet mode: the capture windows (observe/capture.rs writes them); the evidence of a
+    /// window without any capture is not judged.
+    pub capture: Option<CaptureLog>,
 }
 
 impl Tracker {
@@ -206,6 +220,7 @@ impl Tracker {
         Self {
             procs: HashMap::new(),
             gpu_time: GpuTime::new(gpu_time),
+            capture: None,
         }
     }
 
@@ -296,6 +311,7 @@ impl Tracker {
                     })
                     .collect(),
                 anomalies: p.anomaly_count(),
+                dropped: snap.agent.drops.by_pid.get(&p.pid).copied().unwrap_or(0),
             };
             let findings = p.anomalies.as_deref();
             // The most severe finding since the last sample (none before the first: the whole
@@ -329,8 +345,14 @@ impl Tracker {
             {
                 t.recent.pop_front();
             }
-            if let Some(oldest) = t.recent.front() {
-                let mut e = between(oldest, &sample, &t.first_read);
+            let captured = self
+                .capture
+                .as_ref()
+                .map(|l| l.captured(t.recent.front().map_or(now_ns, |o| o.at_ns), now_ns));
+            if let Some(oldest) = t.recent.front()
+                && captured != Some(0)
+            {
+                let mut e = between(oldest, &sample, &t.first_read, captured);
                 e.worst_anomaly = findings.and_then(|f| f.worst_after(oldest.anomalies)).cloned();
                 out.push(ProcessVerdict {
                     pid: p.pid,
@@ -347,8 +369,9 @@ impl Tracker {
     pub fn whole_run(&self, pid: u32) -> Option<Verdict> {
         let t = self.procs.get(&pid)?;
         let (first, last) = (t.first.as_ref()?, t.recent.back()?);
-        (last.at_ns > first.at_ns).then(|| {
-            let mut e = between(first, last, &t.first_read);
+        let captured = self.capture.as_ref().map(|l| l.captured(first.at_ns, last.at_ns));
+        (last.at_ns > first.at_ns && captured != Some(0)).then(|| {
+            let mut e = between(first, last, &t.first_read, captured);
             e.worst_anomaly = t.worst_anomaly.clone();
             classify(e)
         })
@@ -538,8 +561,8 @@ mod tests {
         // 11 was first read inside the window (at 1 500, with 4 600 ns): 400 ns count; 12 was
         // read before the window but not by `a`: its 9 000 ns are not the window's.
         let first: HashMap<u32, (u64, u64)> = [(10, (0, 0)), (11, (1_500, 4_600)), (12, (500, 100))].into();
-        assert_eq!(between(&a, &b, &first).launch_thread_cpu_ns, 800);
+        assert_eq!(between(&a, &b, &first, None).launch_thread_cpu_ns, 800);
         let only_new = at(2_000, &[(11, 5_000), (12, 9_000)]);
-        assert_eq!(between(&a, &only_new, &first).launch_thread_cpu_ns, 400);
+        assert_eq!(between(&a, &only_new, &first, None).launch_thread_cpu_ns, 400);
     }
 }

@@ -60,6 +60,34 @@ enum Link {
 /// The links that hold one library file.
 struct AttachedFile {
     links: Vec<Link>,
+    /// Fleet mode: the links of the entry points that follow the capture windows
+    /// ([`crate::rules::follows_capture_windows`]) while a window is open, what they cover,
+    /// and the file itself, kept open to attach them again at the next window.
+    windowed: Option<WindowedLinks>,
+}
+
+/// The probes of one file that come and go with the capture windows.
+struct WindowedLinks {
+    file: std::fs::File,
+    /// The links' process (0: every process).
+    pid: u32,
+    groups: Vec<LinkGroup>,
+    /// Open links, return probes first (see [`Probes::set_window`]).
+    open: Vec<(bool, std::os::fd::OwnedFd)>,
+}
+
+/// What opening or closing a capture window did.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct WindowChange {
+    /// Links attached or closed.
+    pub links: usize,
+    /// Links the kernel refused (at an open).
+    pub failed: usize,
+    /// Time it took, from the first link to the last (closing waits for RCU grace periods).
+    pub took_us: u64,
+    /// When the launch probes came on (open: their last link attached) or went off (close:
+    /// their last link closed; the return probes go a grace period later), CLOCK_MONOTONIC.
+    pub at_ns: u64,
 }
 
 /// Which processes are observed.
@@ -91,6 +119,9 @@ pub struct Probes {
     attached: HashMap<FileKey, AttachedFile>,
     /// uprobe-multi programs, or None when the kernel lacks them (perf-event uprobes instead).
     multi: Option<multi::MultiPrograms>,
+    /// Fleet mode: the windowed probes are attached only while a capture window is open.
+    windows: bool,
+    window_open: bool,
 }
 
 const UPROBE_PROGRAMS: [&str; 7] = [
@@ -109,6 +140,8 @@ struct LinkGroup {
     prog: &'static str,
     /// Return probe (`BPF_F_UPROBE_MULTI_RETURN`).
     ret: bool,
+    /// Follows the capture windows.
+    windowed: bool,
     apis: Vec<&'static str>,
     offsets: Vec<u64>,
     cookies: Vec<u64>,
@@ -122,6 +155,7 @@ struct ProbePoint {
     prog: &'static str,
     /// A return probe.
     ret: bool,
+    windowed: bool,
 }
 
 /// Every attachment a library's entry points need: the family's entry program, plus the return
@@ -131,6 +165,7 @@ fn probe_points(syms: &symbols::LibrarySymbols) -> Vec<ProbePoint> {
     for (&id, &offset) in &syms.offsets {
         // Ids come from the table (symbols.rs looks names up in it).
         let Some(spec) = api::by_id(id) else { continue };
+        let windowed = crate::rules::follows_capture_windows(spec);
         let entry = match spec.family {
             Family::Launch => names::PROG_LAUNCH_KERNEL,
             Family::LaunchEx => names::PROG_LAUNCH_KERNEL_EX,
@@ -143,6 +178,7 @@ fn probe_points(syms: &symbols::LibrarySymbols) -> Vec<ProbePoint> {
             offset,
             prog: entry,
             ret: false,
+            windowed,
         });
         if spec.family.has_return_probe() {
             out.push(ProbePoint {
@@ -151,6 +187,7 @@ fn probe_points(syms: &symbols::LibrarySymbols) -> Vec<ProbePoint> {
                 offset,
                 prog: names::PROG_API_EXIT,
                 ret: true,
+                windowed,
             });
         }
     }
@@ -159,7 +196,8 @@ fn probe_points(syms: &symbols::LibrarySymbols) -> Vec<ProbePoint> {
 
 impl Probes {
     /// Loads and verifies the programs and hooks the tracepoints; no uprobe is attached yet.
-    pub fn load(ring_bytes: u32, observed: Scope, perf_uprobes: bool) -> Result<Self> {
+    /// `windows`: fleet mode, the windowed probes wait for [`Self::set_window`].
+    pub fn load(ring_bytes: u32, observed: Scope, perf_uprobes: bool, windows: bool) -> Result<Self> {
         let pid_filter = observed.root();
         let mut ebpf = EbpfLoader::new()
             .map_max_entries(names::EVENTS, ring_bytes)
@@ -182,6 +220,9 @@ impl Probes {
         };
         let multi = match loaded {
             Ok(m) => Some(m),
+            Err(e) if windows => {
+                bail!("--capture-window needs uprobe-multi links (Linux 6.6+): {e:#}")
+            }
             Err(e) => {
                 eprintln!(
                     "gpu-observer: note: uprobe-multi links unavailable ({e:#}); using perf-event uprobes (slower to detach)"
@@ -231,7 +272,17 @@ impl Probes {
             scope,
             attached: HashMap::new(),
             multi,
+            windows,
+            window_open: false,
         })
+    }
+
+    /// The process uprobe-multi links are limited to (0: every process).
+    fn link_pid(&self) -> u32 {
+        match self.scope {
+            UProbeScope::OneProcess(p) => p.get(),
+            _ => 0,
+        }
     }
 
     /// Library files attached so far.
@@ -260,12 +311,39 @@ impl Probes {
             probes: 0,
             failed: Vec::new(),
         };
-        let links = if let Some(multi) = &self.multi {
-            self.attach_multi(multi, &path, syms, &mut report)
+        let (links, windowed) = if let Some(multi) = &self.multi {
+            let (mut links, groups) = self.attach_multi(multi, &path, syms, &mut report);
+            let mut windowed = None;
+            if !groups.is_empty() {
+                let mut w = WindowedLinks {
+                    file: opened
+                        .file
+                        .try_clone()
+                        .context("keep the library open for the capture windows")?,
+                    pid: self.link_pid(),
+                    groups,
+                    open: Vec::new(),
+                };
+                if !self.windows || self.window_open {
+                    let mut fresh = Vec::new();
+                    let failed = w.attach(multi, &mut fresh);
+                    w.open = fresh;
+                    report.probes += w.open.len();
+                    if failed > 0 && w.open.is_empty() && links.is_empty() {
+                        bail!("the kernel refused every probe");
+                    }
+                }
+                if self.windows {
+                    windowed = Some(w);
+                } else {
+                    links.extend(w.open.drain(..).map(|(_, fd)| Link::Multi(fd)));
+                }
+            }
+            (links, windowed)
         } else {
-            self.attach_perf(&path, syms, &mut report)?
+            (self.attach_perf(&path, syms, &mut report)?, None)
         };
-        if links.is_empty() {
+        if links.is_empty() && windowed.is_none() {
             let first = report
                 .failed
                 .first()
@@ -273,30 +351,32 @@ impl Probes {
                 .unwrap_or_default();
             bail!("the kernel refused every probe ({first})");
         }
-        self.attached.insert(opened.key, AttachedFile { links });
+        self.attached.insert(opened.key, AttachedFile { links, windowed });
         Ok(Some(report))
     }
 
-    /// One uprobe-multi link per program for this file.
+    /// One uprobe-multi link per program for this file, of the probes that stay; the groups
+    /// that follow the capture windows are returned unattached.
     fn attach_multi(
         &self,
         multi: &multi::MultiPrograms,
         path: &CStr,
         syms: &symbols::LibrarySymbols,
         report: &mut AttachReport,
-    ) -> Vec<Link> {
-        let pid = match self.scope {
-            UProbeScope::OneProcess(p) => p.get(),
-            _ => 0,
-        };
+    ) -> (Vec<Link>, Vec<LinkGroup>) {
+        let pid = self.link_pid();
         let mut groups: Vec<LinkGroup> = Vec::new();
         for p in probe_points(syms) {
-            let i = match groups.iter().position(|g| g.prog == p.prog && g.ret == p.ret) {
+            let i = match groups
+                .iter()
+                .position(|g| g.prog == p.prog && g.ret == p.ret && g.windowed == p.windowed)
+            {
                 Some(i) => i,
                 None => {
                     groups.push(LinkGroup {
                         prog: p.prog,
                         ret: p.ret,
+                        windowed: p.windowed,
                         ..Default::default()
                     });
                     groups.len() - 1
@@ -307,6 +387,7 @@ impl Probes {
             g.offsets.push(p.offset);
             g.cookies.push(api::cookie(p.id));
         }
+        let (windowed, groups): (Vec<LinkGroup>, Vec<LinkGroup>) = groups.into_iter().partition(|g| g.windowed);
         let mut failed: std::collections::HashSet<&'static str> = std::collections::HashSet::new();
         let mut links = Vec::new();
         for LinkGroup {
@@ -315,6 +396,7 @@ impl Probes {
             apis,
             offsets,
             cookies,
+            ..
         } in groups
         {
             match multi.attach(prog, path, &offsets, &cookies, None, ret, pid) {
@@ -332,7 +414,56 @@ impl Probes {
             }
         }
         report.entry_points = syms.offsets.len() - failed.len();
-        links
+        (links, windowed)
+    }
+
+    /// Opens or closes a capture window (fleet mode): attaches or closes the windowed probes
+    /// of every attached file. At an open the return probes come first, so that no call
+    /// entered in the window misses its return; at a close the entry probes go first, so that
+    /// calls in flight return into the still-attached return probes for one more RCU grace
+    /// period (~45 ms); a call still in flight after that is reported when its thread next
+    /// enters a probed call, as abandoned (docs/DESIGN.md "Fleet mode").
+    pub fn set_window(&mut self, open: bool) -> WindowChange {
+        let start = std::time::Instant::now();
+        let mut change = WindowChange::default();
+        if !self.windows || open == self.window_open {
+            return change;
+        }
+        self.window_open = open;
+        let Some(multi) = &self.multi else { return change };
+        if open {
+            for f in self.attached.values_mut() {
+                if let Some(w) = &mut f.windowed {
+                    let mut fresh = Vec::new();
+                    change.failed += w.attach(multi, &mut fresh);
+                    change.links += fresh.len();
+                    w.open = fresh;
+                }
+            }
+        } else {
+            let (mut entries, mut returns) = (Vec::new(), Vec::new());
+            for f in self.attached.values_mut() {
+                if let Some(w) = &mut f.windowed {
+                    for (ret, fd) in w.open.drain(..) {
+                        if ret { returns.push(fd) } else { entries.push(fd) }
+                    }
+                }
+            }
+            change.links = entries.len() + returns.len();
+            close_all(entries);
+            change.at_ns = crate::clock::monotonic_ns();
+            close_all(returns);
+        }
+        if open {
+            change.at_ns = crate::clock::monotonic_ns();
+        }
+        change.took_us = start.elapsed().as_micros() as u64;
+        change
+    }
+
+    /// Whether a capture window is open (always, without `--capture-window`).
+    pub fn window_open(&self) -> bool {
+        !self.windows || self.window_open
     }
 
     /// Perf-event uprobes through aya, one per entry point and program.
@@ -376,10 +507,7 @@ impl Probes {
             anyhow!("CUPTI hooks need uprobe-multi links (Linux 6.6+); this process is observed with uprobes only")
         })?;
         let path = opened.kernel_path();
-        let pid = match self.scope {
-            UProbeScope::OneProcess(p) => p.get(),
-            _ => 0,
-        };
+        let pid = self.link_pid();
         let mut links = Vec::new();
         for (prog, offset) in [
             (names::PROG_CUPTI_BATCH, hooks.batch),
@@ -390,7 +518,7 @@ impl Probes {
                 .with_context(|| format!("attach {prog}"))?;
             links.push(Link::Multi(link));
         }
-        self.attached.insert(opened.key, AttachedFile { links });
+        self.attached.insert(opened.key, AttachedFile { links, windowed: None });
         Ok(true)
     }
 
@@ -407,6 +535,9 @@ impl Probes {
                 continue;
             };
             released += 1;
+            if let Some(w) = file.windowed {
+                fds.extend(w.open.into_iter().map(|(_, fd)| fd));
+            }
             for link in file.links {
                 match link {
                     Link::Multi(fd) => fds.push(fd),
@@ -491,14 +622,23 @@ impl Probes {
             drops.by_kind.push((kind, n));
             drops.total += n;
         }
-        let per_pid: PerCpuHashMap<_, u32, u64> = PerCpuHashMap::try_from(
+        let per_pid: PerCpuHashMap<_, u64, u64> = PerCpuHashMap::try_from(
             self.ebpf
                 .map(names::DROPS_BY_PID)
                 .ok_or_else(|| anyhow!("map DROPS_BY_PID missing"))?,
         )?;
         for item in per_pid.iter() {
-            let (pid, values) = item?;
-            drops.by_pid.insert(pid, values.iter().sum());
+            let (key, values) = item?;
+            let n: u64 = values.iter().sum();
+            let (pid, kind) = ((key >> 8) as u32, EventKind::from_u32((key & 0xff) as u32));
+            *drops.by_pid.entry(pid).or_default() += n;
+            if let Some(kind) = kind {
+                let kinds = drops.by_pid_kind.entry(pid).or_default();
+                match kinds.iter_mut().find(|(k, _)| *k == kind) {
+                    Some((_, total)) => *total += n,
+                    None => kinds.push((kind, n)),
+                }
+            }
         }
         Ok(drops)
     }
@@ -509,6 +649,27 @@ impl Drop for Probes {
     fn drop(&mut self) {
         let keys: Vec<FileKey> = self.attached.keys().copied().collect();
         self.release(&keys);
+    }
+}
+
+impl WindowedLinks {
+    /// Attaches every group through the kept file, return probes first, into `open`; the
+    /// number of groups the kernel refused.
+    fn attach(&self, multi: &multi::MultiPrograms, open: &mut Vec<(bool, std::os::fd::OwnedFd)>) -> usize {
+        let path = open::fd_path(std::os::fd::AsRawFd::as_raw_fd(&self.file));
+        let mut failed = 0;
+        for ret in [true, false] {
+            for g in self.groups.iter().filter(|g| g.ret == ret) {
+                match multi.attach(g.prog, &path, &g.offsets, &g.cookies, None, g.ret, self.pid) {
+                    Ok(fd) => open.push((ret, fd)),
+                    Err(e) => {
+                        failed += 1;
+                        crate::say(format_args!("warning: capture window: attaching {}: {e}", g.prog));
+                    }
+                }
+            }
+        }
+        failed
     }
 }
 
@@ -534,6 +695,8 @@ pub struct Drops {
     pub total: u64,
     pub by_kind: Vec<(EventKind, u64)>,
     pub by_pid: HashMap<u32, u64>,
+    /// The same by kind (`by_pid` is their sum).
+    pub by_pid_kind: HashMap<u32, Vec<(EventKind, u64)>>,
 }
 
 fn map_mut<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut aya::maps::Map> {

@@ -76,7 +76,7 @@ impl Opened {
 
 /// `/proc/self/fd/N`: the agent's own name for an open file (a number has no NUL, so the
 /// empty fallback is never taken).
-fn fd_path(fd: RawFd) -> CString {
+pub fn fd_path(fd: RawFd) -> CString {
     CString::new(format!("/proc/self/fd/{fd}")).unwrap_or_default()
 }
 

@@ -121,6 +121,11 @@ pub trait Sink: Send {
         Ok(())
     }
 
+    /// A capture window opened or closed (fleet mode).
+    fn capture(&mut self, _e: &crate::observe::capture::Edge) -> Result<()> {
+        Ok(())
+    }
+
     /// A point of a process's memory timeline (once a second for processes whose memory changed).
     fn memory(&mut self, _ts_ns: u64, _m: &MemorySample, _comm: &str) -> Result<()> {
         Ok(())

@@ -3,6 +3,7 @@
 //! the run and ticks ([`tick`]); [`shutdown`] stops everything in order and writes the
 //! summaries.
 
+pub mod capture;
 mod dashboard;
 mod gpu_timing;
 mod shutdown;
@@ -76,6 +77,8 @@ struct Run {
     verdict_written: std::collections::HashMap<u32, (u64, crate::analyze::verdict::Class)>,
     /// `--gpu-timing`: injections, and the processes switched on.
     gpu_timing: Option<gpu_timing::GpuTiming>,
+    /// Fleet mode's capture windows.
+    capture: Option<capture::Capture>,
 }
 
 /// Why watching ended.
@@ -105,7 +108,9 @@ impl Run {
             output_failed: false,
         };
         loop {
+            let capture_in = self.capture.as_ref().map(capture::Capture::until_next);
             tokio::select! {
+                _ = async { match capture_in { Some(d) => tokio::time::sleep(d).await, None => std::future::pending().await } } => self.capture_edge(),
                 _ = failed.notified() => {
                     end.output_failed = true;
                     return Ok(end);
@@ -125,6 +130,28 @@ impl Run {
                 }
             }
         }
+    }
+
+    /// The capture window edge that is due: the windowed probes attached or closed, the
+    /// edge logged for the verdicts and written as a `capture` line.
+    fn capture_edge(&mut self) {
+        let Some(c) = self.capture.as_mut() else { return };
+        let open = c.next_is_open();
+        let change = self.at.probes.set_window(open);
+        let now = if change.at_ns > 0 {
+            change.at_ns
+        } else {
+            crate::clock::monotonic_ns()
+        };
+        let edge = c.made(now, capture::costs(&self.snapshots.load()), change);
+        if let Some(log) = self.tracker.capture.as_mut() {
+            if open {
+                log.open(now);
+            } else {
+                log.close(now);
+            }
+        }
+        self.reader.ask(Request::Capture(edge));
     }
 
     /// Leak report on demand: `leak` lines in the JSON output, a table on stderr, from a

@@ -68,8 +68,16 @@ pub(super) async fn shutdown(mut run: Run, end: End) -> Result<i32> {
         started,
         reader,
         tracker,
+        capture,
         ..
     } = run;
+    let capture = capture.map(|c| {
+        let now = crate::clock::monotonic_ns();
+        serde_json::json!({
+            "fraction": (c.fraction(now) * 1e4).round() / 1e4,
+            "windows": tracker.capture.as_ref().map_or(0, |l| l.windows()),
+        })
+    });
     let (mut sinks, snap) = match reader.stop() {
         Ok(v) => v,
         Err(e) => {
@@ -107,6 +115,7 @@ pub(super) async fn shutdown(mut run: Run, end: End) -> Result<i32> {
     let agent = [
         ("otlp", exported.unwrap_or(serde_json::Value::Null)),
         ("libraries", at.stats().json()),
+        ("capture", capture.unwrap_or(serde_json::Value::Null)),
     ];
     // The whole run's verdicts, from the last snapshot.
     let mut tracker = tracker;

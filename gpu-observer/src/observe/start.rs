@@ -87,7 +87,12 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
         Some(p) if cli.no_children => Scope::One(p),
         Some(p) => Scope::Tree(p),
     };
-    let mut probes = Probes::load(cli.ring_buffer_size, scope, cli.perf_uprobes)?;
+    let capture = cli.capture().map_err(|e| anyhow::anyhow!(e))?;
+    let mut probes = Probes::load(cli.ring_buffer_size, scope, cli.perf_uprobes, capture.is_some())?;
+    if cli.probes_floor {
+        probes.disable()?;
+        say("--probes-floor: every probe attached, every program off (the uprobe traps alone); nothing is recorded");
+    }
     if let Scope::Tree(root) = scope {
         let n = follow::seed(&mut probes, root, &ProcInfo::host())?;
         if n > 0 {
@@ -244,7 +249,22 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
         root_gone: None,
         told_descendants: false,
         last_follow_missed: 0,
-        tracker: crate::analyze::window::Tracker::new(gpu_time),
+        tracker: {
+            let mut t = crate::analyze::window::Tracker::new(gpu_time);
+            t.capture = capture.map(|_| Default::default());
+            t
+        },
+        capture: capture.map(|c| {
+            say(format_args!(
+                "fleet mode: launch, copy, memset and sync probes attached {:?} in every {:?}{}",
+                c.window,
+                c.period,
+                c.budget_pct
+                    .map(|b| format!(" (adapted to a {b}% overhead budget)"))
+                    .unwrap_or_default()
+            ));
+            super::capture::Capture::new(c, crate::clock::monotonic_ns())
+        }),
         verdicts: Default::default(),
         verdict_written: Default::default(),
         gpu_timing,

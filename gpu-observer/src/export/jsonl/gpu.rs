@@ -181,6 +181,22 @@ impl<W: Write> JsonlWriter<W> {
         self.out.write_all(b"}\n")
     }
 
+    /// A capture window's edge (fleet mode): `{"type":"capture","state":"open"|"closed",…}`.
+    pub fn capture(&mut self, e: &crate::observe::capture::Edge) -> io::Result<()> {
+        writeln!(
+            self.out,
+            "{{\"type\":\"capture\",\"ts_ns\":{},\"state\":\"{}\",\"links\":{},\"failed\":{},\"took_us\":{},\"window_ns\":{},\"period_ns\":{},\"capture_fraction\":{:.4}}}",
+            e.ts_ns,
+            if e.open { "open" } else { "closed" },
+            e.links,
+            e.failed,
+            e.took_us,
+            e.window_ns,
+            e.period_ns,
+            e.fraction
+        )
+    }
+
     /// The `"cupti":{...}` block of a process summary (`null` without the injection library).
     pub(super) fn gpu_summary(&mut self, g: Option<&GpuView>) -> io::Result<()> {
         let o = &mut self.out;

@@ -76,8 +76,12 @@ fn verdict_fields<W: Write>(o: &mut W, v: &Verdict) -> io::Result<()> {
     opt_str(o, "secondary", v.secondary.map(|c| c.name()))?;
     write!(
         o,
-        ",\"window_ns\":{},\"evidence\":{{\"gpu_busy\":{}",
+        ",\"window_ns\":{},\"capture_fraction\":{},\"estimate_error\":{},\"dropped\":{},\"partial\":{},\"evidence\":{{\"gpu_busy\":{}",
         e.window_ns,
+        OptNum(e.capture_fraction.map(|f| Decimals(f, 4))),
+        OptNum(e.estimate_error.map(|f| Decimals(f, 4))),
+        e.dropped,
+        e.dropped > 0,
         OptNum(e.gpu_busy().map(|b| Decimals(b, 4)))
     )?;
     opt_str(o, "gpu_busy_source", e.busy_source.name())?;
@@ -455,7 +459,7 @@ impl<W: Write> JsonlWriter<W> {
             self.process_summary(
                 p,
                 gpus.procs.get(&p.pid),
-                drops.by_pid.get(&p.pid).copied().unwrap_or(0),
+                drops.by_pid_kind.get(&p.pid).map_or(&[], Vec::as_slice),
                 sum.verdicts.get(&p.pid),
             )?;
         }
@@ -520,21 +524,23 @@ impl<W: Write> JsonlWriter<W> {
         &mut self,
         p: &ProcessView,
         nvml: Option<&ProcUse>,
-        dropped: u64,
+        dropped: &[(gpu_observer_common::event::EventKind, u64)],
         verdict: Option<&Verdict>,
     ) -> io::Result<()> {
         let s = &p.stats;
         let o = &mut self.out;
+        let total: u64 = dropped.iter().map(|(_, n)| n).sum();
         write!(
             o,
             "{{\"type\":\"summary\",\"scope\":\"process\",\"pid\":{},\"comm\":",
             p.pid
         )?;
         serde_json::to_writer(&mut *o, &p.comm).map_err(io::Error::other)?;
+        write!(o, ",\"events\":{},\"dropped\":{total},\"dropped_by_kind\":", s.events)?;
+        counts(o, dropped.iter().map(|(k, n)| (k.name(), *n)))?;
         write!(
             o,
-            ",\"events\":{},\"dropped\":{dropped},\"exited\":{},\"wall_ns\":{},\"launches\":{},\"named_launches\":{},\"unresolved_launches\":{},\"launch_apis\":",
-            s.events,
+            ",\"exited\":{},\"wall_ns\":{},\"launches\":{},\"named_launches\":{},\"unresolved_launches\":{},\"launch_apis\":",
             p.exited,
             p.span_ns(),
             s.launches,
@@ -689,6 +695,10 @@ impl<W: Write + Send> Sink for JsonlSink<W> {
 
     fn gpu_timing(&mut self, n: &crate::export::sink::GpuTimingNote) -> anyhow::Result<()> {
         Ok(self.writer.gpu_timing(n)?)
+    }
+
+    fn capture(&mut self, e: &crate::observe::capture::Edge) -> anyhow::Result<()> {
+        Ok(self.writer.capture(e)?)
     }
 
     fn memory(&mut self, ts_ns: u64, m: &MemorySample, comm: &str) -> anyhow::Result<()> {

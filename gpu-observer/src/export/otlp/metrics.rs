@@ -98,6 +98,22 @@ pub fn register(
     per_proc("gpu.cuda.ioctl.duration", "s", "Time in nvidia ioctls", |p, a, o| {
         o(p.stats.ioctls.ns as f64 / 1e9, a)
     });
+    // Fleet mode: the launch, copy, memset and sync counters above count the capture windows
+    // only; this is the share of the time they covered (divide by it for an estimate).
+    {
+        let s = snapshots.clone();
+        m.f64_observable_gauge("gpu.capture.fraction")
+            .with_unit("1")
+            .with_description(
+                "Fleet mode: share of the time the capture windows covered; the launch, copy, memset and sync counters count only those windows",
+            )
+            .with_callback(move |obs| {
+                if let Some(f) = s.load().agent.capture_fraction {
+                    obs.observe(f, &[]);
+                }
+            })
+            .build();
+    }
     // Outstanding device/managed/pinned memory: bytes, and how many allocations.
     for (name, unit, desc, bytes) in [
         (
