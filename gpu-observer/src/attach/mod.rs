@@ -366,7 +366,10 @@ impl Probes {
     ) -> (Vec<Link>, Vec<LinkGroup>) {
         let pid = self.link_pid();
         let mut groups: Vec<LinkGroup> = Vec::new();
-        for p in probe_points(syms) {
+        for mut p in probe_points(syms) {
+            // Without capture windows every probe stays: one link per program, as many as
+            // ever (each link costs an RCU grace period to close).
+            p.windowed &= self.windows;
             let i = match groups
                 .iter()
                 .position(|g| g.prog == p.prog && g.ret == p.ret && g.windowed == p.windowed)
