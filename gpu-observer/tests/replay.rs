@@ -337,7 +337,6 @@ fn replay(trace_all: bool, end_ns: u64) -> Replay {
         by_kind: (1..EventKind::COUNT)
             .map(|k| (EventKind::from_u32(k).unwrap(), 0))
             .collect(),
-        by_pid: HashMap::new(),
         by_pid_kind: HashMap::new(),
     };
     let agent = [

@@ -14,13 +14,28 @@ use std::collections::VecDeque;
 const MAX_WINDOWS: usize = 4096;
 
 /// The capture windows so far, on the monotonic clock of the snapshots.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct CaptureLog {
+    /// When the windows began (the agent's start in fleet mode).
+    since_ns: u64,
     /// (open, close or None while open, captured time before open).
     windows: VecDeque<(u64, Option<u64>, u64)>,
 }
 
 impl CaptureLog {
+    pub fn new(since_ns: u64) -> Self {
+        Self {
+            since_ns,
+            windows: VecDeque::new(),
+        }
+    }
+
+    /// The share of the time since the windows began that they covered, up to `now_ns`.
+    pub fn fraction(&self, now_ns: u64) -> f64 {
+        let total = now_ns.saturating_sub(self.since_ns).max(1);
+        (self.captured_until(now_ns) as f64 / total as f64).min(1.0)
+    }
+
     pub fn open(&mut self, at_ns: u64) {
         if self.windows.back().is_some_and(|w| w.1.is_none()) {
             return;
@@ -85,7 +100,7 @@ mod tests {
 
     #[test]
     fn captured_time_is_the_overlap_with_the_windows() {
-        let mut log = CaptureLog::default();
+        let mut log = CaptureLog::new(0);
         log.open(100);
         log.close(200);
         log.open(1000);
@@ -94,6 +109,7 @@ mod tests {
         assert_eq!(log.captured(150, 1050), 50 + 50);
         assert_eq!(log.captured(300, 900), 0);
         assert_eq!(log.captured(0, 100), 0);
+        assert!((log.fraction(2000) - 0.1).abs() < 1e-9);
         // An open window counts up to the end of the stretch.
         log.open(3000);
         assert_eq!(log.captured(2000, 3500), 500);

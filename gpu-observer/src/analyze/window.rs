@@ -311,7 +311,7 @@ impl Tracker {
                     })
                     .collect(),
                 anomalies: p.anomaly_count(),
-                dropped: snap.agent.drops.by_pid.get(&p.pid).copied().unwrap_or(0),
+                dropped: snap.agent.drops.of_pid(p.pid),
             };
             let findings = p.anomalies.as_deref();
             // The most severe finding since the last sample (none before the first: the whole

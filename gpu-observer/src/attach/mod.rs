@@ -312,7 +312,9 @@ impl Probes {
             failed: Vec::new(),
         };
         let (links, windowed) = if let Some(multi) = &self.multi {
-            let (mut links, groups) = self.attach_multi(multi, &path, syms, &mut report);
+            // Windowed groups come back only in fleet mode; they wait for the next window
+            // unless one is open now.
+            let (links, groups) = self.attach_multi(multi, &path, syms, &mut report);
             let mut windowed = None;
             if !groups.is_empty() {
                 let mut w = WindowedLinks {
@@ -324,20 +326,15 @@ impl Probes {
                     groups,
                     open: Vec::new(),
                 };
-                if !self.windows || self.window_open {
-                    let mut fresh = Vec::new();
-                    let failed = w.attach(multi, &mut fresh);
-                    w.open = fresh;
+                if self.window_open {
+                    let failed;
+                    (w.open, failed) = w.attach(multi);
                     report.probes += w.open.len();
                     if failed > 0 && w.open.is_empty() && links.is_empty() {
                         bail!("the kernel refused every probe");
                     }
                 }
-                if self.windows {
-                    windowed = Some(w);
-                } else {
-                    links.extend(w.open.drain(..).map(|(_, fd)| Link::Multi(fd)));
-                }
+                windowed = Some(w);
             }
             (links, windowed)
         } else {
@@ -437,12 +434,13 @@ impl Probes {
         if open {
             for f in self.attached.values_mut() {
                 if let Some(w) = &mut f.windowed {
-                    let mut fresh = Vec::new();
-                    change.failed += w.attach(multi, &mut fresh);
-                    change.links += fresh.len();
-                    w.open = fresh;
+                    let failed;
+                    (w.open, failed) = w.attach(multi);
+                    change.failed += failed;
+                    change.links += w.open.len();
                 }
             }
+            change.at_ns = crate::clock::monotonic_ns();
         } else {
             let (mut entries, mut returns) = (Vec::new(), Vec::new());
             for f in self.attached.values_mut() {
@@ -457,16 +455,8 @@ impl Probes {
             change.at_ns = crate::clock::monotonic_ns();
             close_all(returns);
         }
-        if open {
-            change.at_ns = crate::clock::monotonic_ns();
-        }
         change.took_us = start.elapsed().as_micros() as u64;
         change
-    }
-
-    /// Whether a capture window is open (always, without `--capture-window`).
-    pub fn window_open(&self) -> bool {
-        !self.windows || self.window_open
     }
 
     /// Perf-event uprobes through aya, one per entry point and program.
@@ -633,8 +623,8 @@ impl Probes {
         for item in per_pid.iter() {
             let (key, values) = item?;
             let n: u64 = values.iter().sum();
+            // The programs write only valid kinds (gpu_observer_common::event::drop_key).
             let (pid, kind) = ((key >> 8) as u32, EventKind::from_u32((key & 0xff) as u32));
-            *drops.by_pid.entry(pid).or_default() += n;
             if let Some(kind) = kind {
                 let kinds = drops.by_pid_kind.entry(pid).or_default();
                 match kinds.iter_mut().find(|(k, _)| *k == kind) {
@@ -656,11 +646,11 @@ impl Drop for Probes {
 }
 
 impl WindowedLinks {
-    /// Attaches every group through the kept file, return probes first, into `open`; the
+    /// Attaches every group through the kept file, return probes first: the links, and the
     /// number of groups the kernel refused.
-    fn attach(&self, multi: &multi::MultiPrograms, open: &mut Vec<(bool, std::os::fd::OwnedFd)>) -> usize {
+    fn attach(&self, multi: &multi::MultiPrograms) -> (Vec<(bool, std::os::fd::OwnedFd)>, usize) {
         let path = open::fd_path(std::os::fd::AsRawFd::as_raw_fd(&self.file));
-        let mut failed = 0;
+        let (mut open, mut failed) = (Vec::new(), 0);
         for ret in [true, false] {
             for g in self.groups.iter().filter(|g| g.ret == ret) {
                 match multi.attach(g.prog, &path, &g.offsets, &g.cookies, None, g.ret, self.pid) {
@@ -672,7 +662,7 @@ impl WindowedLinks {
                 }
             }
         }
-        failed
+        (open, failed)
     }
 }
 
@@ -697,9 +687,17 @@ fn close_all(fds: Vec<std::os::fd::OwnedFd>) {
 pub struct Drops {
     pub total: u64,
     pub by_kind: Vec<(EventKind, u64)>,
-    pub by_pid: HashMap<u32, u64>,
-    /// The same by kind (`by_pid` is their sum).
+    /// Per process, by kind.
     pub by_pid_kind: HashMap<u32, Vec<(EventKind, u64)>>,
+}
+
+impl Drops {
+    /// A process's drops, all kinds.
+    pub fn of_pid(&self, pid: u32) -> u64 {
+        self.by_pid_kind
+            .get(&pid)
+            .map_or(0, |kinds| kinds.iter().map(|(_, n)| n).sum())
+    }
 }
 
 fn map_mut<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut aya::maps::Map> {

@@ -488,7 +488,7 @@ pub fn final_summary(snap: &Snapshot, drops: &Drops, wall_ns: u64, verdicts: &Ha
     }
     for p in &snap.procs {
         let s = &p.stats;
-        let dropped = drops.by_pid.get(&p.pid).copied().unwrap_or(0);
+        let dropped = drops.of_pid(p.pid);
         let _ = writeln!(
             out,
             "\npid {} ({}){}: {} events, {} dropped",

@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use crate::{clock::monotonic_ns, snapshot::Snapshot};
+use crate::{analyze::estimate::CaptureLog, clock::monotonic_ns, snapshot::Snapshot};
 
 /// The shortest window: shorter ones cost more in attaching than they see.
 const MIN_WINDOW: Duration = Duration::from_millis(50);
@@ -56,9 +56,7 @@ pub struct Capture {
     /// The next edge, and whether it opens.
     next_ns: u64,
     next_open: bool,
-    /// Since when windows run, and how long they have been open in all.
-    first_ns: u64,
-    captured_ns: u64,
+    /// When the open window opened.
     opened_ns: u64,
     /// Per process, the cost of its calls at the window's open (for the budget).
     cost_at_open: Costs,
@@ -75,8 +73,6 @@ impl Capture {
             period_start: now_ns,
             next_ns: now_ns,
             next_open: true,
-            first_ns: now_ns,
-            captured_ns: 0,
             opened_ns: 0,
             cost_at_open: Default::default(),
             rng: seed | 1,
@@ -100,17 +96,6 @@ impl Capture {
         self.next_open
     }
 
-    /// Captured share of the time since the windows began.
-    pub fn fraction(&self, now_ns: u64) -> f64 {
-        let open = if self.next_open {
-            0
-        } else {
-            now_ns.saturating_sub(self.opened_ns)
-        };
-        let total = now_ns.saturating_sub(self.first_ns).max(1);
-        ((self.captured_ns + open) as f64 / total as f64).min(1.0)
-    }
-
     fn random(&mut self) -> f64 {
         // xorshift64*: the jitter needs no more than this.
         self.rng ^= self.rng >> 12;
@@ -126,19 +111,27 @@ impl Capture {
         self.next_open = true;
     }
 
-    /// The edge that was due has been made (the probes attached or closed at `now_ns`): notes
-    /// it and schedules the next. `costs`: [`costs`] of the latest snapshot, for the budget.
-    pub fn made(&mut self, now_ns: u64, costs: Costs, change: crate::attach::WindowChange) -> Edge {
+    /// The edge that was due has been made (the probes attached or closed at `now_ns`): writes
+    /// it into `log` and schedules the next. `costs`: [`costs`] of the latest snapshot, for
+    /// the budget.
+    pub fn made(
+        &mut self,
+        now_ns: u64,
+        costs: Costs,
+        change: crate::attach::WindowChange,
+        log: &mut CaptureLog,
+    ) -> Edge {
         let open = self.next_open;
         let window_ns = self.window_ns;
         if open {
+            log.open(now_ns);
             self.opened_ns = now_ns;
             self.cost_at_open = costs;
             self.next_ns = now_ns + self.window_ns;
             self.next_open = false;
         } else {
+            log.close(now_ns);
             let seen = now_ns.saturating_sub(self.opened_ns);
-            self.captured_ns += seen;
             if let Some(pct) = self.cfg.budget_pct {
                 self.window_ns = self.budgeted(pct, seen, &costs);
             }
@@ -158,7 +151,7 @@ impl Capture {
             took_us: change.took_us,
             window_ns,
             period_ns: self.period_ns,
-            fraction: self.fraction(now_ns),
+            fraction: log.fraction(now_ns),
         }
     }
 
@@ -213,22 +206,24 @@ mod tests {
     #[test]
     fn one_window_per_period_at_a_random_point_that_leaves_it_room() {
         let mut c = Capture::new(cfg(1000, 10_000, None), 0);
+        let mut log = CaptureLog::new(0);
         let mut starts = Vec::new();
         for k in 0..50u64 {
             assert!(c.next_is_open());
             let open = c.next_ns();
             assert!(open >= k * 10_000_000_000 && open + 1_000_000_000 <= (k + 1) * 10_000_000_000);
             starts.push(open - k * 10_000_000_000);
-            let e = c.made(open, Costs::new(), Default::default());
+            let e = c.made(open, Costs::new(), Default::default(), &mut log);
             assert!(e.open);
             assert_eq!(c.next_ns(), open + 1_000_000_000);
-            let e = c.made(c.next_ns(), Costs::new(), Default::default());
+            let e = c.made(c.next_ns(), Costs::new(), Default::default(), &mut log);
             assert!(!e.open);
         }
         // Jittered: the starts spread over the period's room.
         let (lo, hi) = (starts.iter().min().unwrap(), starts.iter().max().unwrap());
         assert!(hi - lo > 5_000_000_000, "{starts:?}");
-        let f = c.fraction(50 * 10_000_000_000);
+        assert_eq!(log.windows(), 50);
+        let f = log.fraction(50 * 10_000_000_000);
         assert!((f - 0.1).abs() < 0.01, "{f}");
     }
 

@@ -135,7 +135,9 @@ impl Run {
     /// The capture window edge that is due: the windowed probes attached or closed, the
     /// edge logged for the verdicts and written as a `capture` line.
     fn capture_edge(&mut self) {
-        let Some(c) = self.capture.as_mut() else { return };
+        let (Some(c), Some(log)) = (self.capture.as_mut(), self.tracker.capture.as_mut()) else {
+            return;
+        };
         let open = c.next_is_open();
         let change = self.at.probes.set_window(open);
         let now = if change.at_ns > 0 {
@@ -143,14 +145,7 @@ impl Run {
         } else {
             crate::clock::monotonic_ns()
         };
-        let edge = c.made(now, capture::costs(&self.snapshots.load()), change);
-        if let Some(log) = self.tracker.capture.as_mut() {
-            if open {
-                log.open(now);
-            } else {
-                log.close(now);
-            }
-        }
+        let edge = c.made(now, capture::costs(&self.snapshots.load()), change, log);
         self.reader.ask(Request::Capture(edge));
     }
 

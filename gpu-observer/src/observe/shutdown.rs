@@ -68,14 +68,13 @@ pub(super) async fn shutdown(mut run: Run, end: End) -> Result<i32> {
         started,
         reader,
         tracker,
-        capture,
         ..
     } = run;
-    let capture = capture.map(|c| {
+    let capture = tracker.capture.as_ref().map(|l| {
         let now = crate::clock::monotonic_ns();
         serde_json::json!({
-            "fraction": (c.fraction(now) * 1e4).round() / 1e4,
-            "windows": tracker.capture.as_ref().map_or(0, |l| l.windows()),
+            "fraction": (l.fraction(now) * 1e4).round() / 1e4,
+            "windows": l.windows(),
         })
     });
     let (mut sinks, snap) = match reader.stop() {
@@ -107,10 +106,10 @@ pub(super) async fn shutdown(mut run: Run, end: End) -> Result<i32> {
     let drops = at.probes.drops()?;
     let wall_ns = started.elapsed().as_nanos() as u64;
     let unattributed = drops
-        .by_pid
-        .iter()
-        .filter(|(pid, _)| snap.process(**pid).is_none())
-        .map(|(_, n)| n)
+        .by_pid_kind
+        .keys()
+        .filter(|pid| snap.process(**pid).is_none())
+        .map(|pid| drops.of_pid(*pid))
         .sum();
     let agent = [
         ("otlp", exported.unwrap_or(serde_json::Value::Null)),

@@ -251,7 +251,7 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
         last_follow_missed: 0,
         tracker: {
             let mut t = crate::analyze::window::Tracker::new(gpu_time);
-            t.capture = capture.map(|_| Default::default());
+            t.capture = capture.map(|_| crate::analyze::estimate::CaptureLog::new(crate::clock::monotonic_ns()));
             t
         },
         capture: capture.map(|c| {

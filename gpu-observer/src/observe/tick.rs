@@ -61,7 +61,11 @@ impl Run {
         self.reader.ask(Request::Agent(AgentStats {
             drops: drops.clone(),
             attach_failures: self.at.stats().refused_total(),
-            capture_fraction: self.capture.as_ref().map(|c| c.fraction(crate::clock::monotonic_ns())),
+            capture_fraction: self
+                .tracker
+                .capture
+                .as_ref()
+                .map(|l| l.fraction(crate::clock::monotonic_ns())),
         }));
         // Verdicts over the last window: shown live; written once a window, or when the class
         // changes.
