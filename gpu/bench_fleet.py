@@ -9,8 +9,10 @@ Modes, in rotated order each round (round r starts at mode r):
   fleet   the same with --capture-window 1s --capture-period 10s (the DaemonSet's default)
 Per run: the workload's time per step (and per-100-step chunk max: stalls), and for the
 observer modes its verdicts of the workload. Fleet mode's launch-rate estimate is checked
-against the truth: launches per step counted exactly by the always-on run of the same round,
-times the fleet run's own steps per second.
+against the truth, verdict by verdict: launches per step counted exactly by the always-on run
+of the same round, times the steps the fleet run's workload itself timed (each step's end,
+CLOCK_MONOTONIC, `--step-times`) inside that verdict's window. The estimate before the
+correction for the probes' own time (issue 18) is reported beside it.
 
 usage (as root, repo root): python3 gpu/bench_fleet.py --observer .gpu-bundle/gpu-observer \
     --out DIR [--workload mlp|transformer] [--rounds 5] [--steps N]
@@ -30,9 +32,10 @@ MODES = ["bare", "floor", "always", "fleet"]
 FLEET = ["--capture-window", "1s", "--capture-period", "10s"]
 
 
-def workload_cmd(kind, steps, out_json):
+def workload_cmd(kind, steps, out_json, step_times):
     if kind == "mlp":
-        return [sys.executable, f"{HERE}/workloads/launch_mlp.py", "--steps", str(steps)]
+        return [sys.executable, f"{HERE}/workloads/launch_mlp.py", "--steps", str(steps),
+                "--step-times", step_times]
     return [sys.executable, f"{HERE}/workloads/train_bench.py", "--steps", str(steps),
             "--warmup", "20", "--out", out_json, "--label", "fleet-bench"]
 
@@ -84,8 +87,9 @@ def run_one(a, mode, r, work):
             args += FLEET
         obs = start_observer(a.observer, args, f"{work}/{mode}-{r}.err")
     t0 = time.time()
-    w = subprocess.run(workload_cmd(a.workload, a.steps, wjson), capture_output=True, text=True,
-                       timeout=300)
+    times = f"{work}/{mode}-{r}.steps"
+    w = subprocess.run(workload_cmd(a.workload, a.steps, wjson, times), capture_output=True,
+                       text=True, timeout=300)
     wall = time.time() - t0
     if obs:
         stop_observer(obs)
@@ -112,18 +116,39 @@ def run_one(a, mode, r, work):
         inside = [v for v in vs if v["ts_ns"] - v["window_ns"] >= res["timed_start_ns"] - 1_000_000_000
                   and v["ts_ns"] <= res["timed_end_ns"] + 1_000_000_000]
         pick = inside or vs[-1:]
-        res["verdicts"] = [{"class": v["class"], "launches_per_s": v["evidence"]["launches_per_s"],
-                            "capture_fraction": v.get("capture_fraction"),
-                            "estimate_error": v.get("estimate_error"), "ts_ns": v["ts_ns"]}
-                           for v in pick]
+        ends = []
+        if os.path.exists(times):
+            ends = [int(x) for x in open(times).read().split()]
+        res["verdicts"] = []
+        # The whole run's verdict (the summary's): its window ends at the observer's last
+        # tick, after the workload's exit (the last timestamp the observer wrote).
+        whole = summ[0].get("verdict") if summ else None
+        last = max((l["ts_ns"] for l in ls if isinstance(l.get("ts_ns"), int)), default=None)
+        if whole and last:
+            pick = pick + [dict(whole, ts_ns=last, whole_run=True)]
+        for v in pick:
+            e = v["evidence"]
+            d = {"class": v["class"], "launches_per_s": e["launches_per_s"],
+                 "capture_fraction": v.get("capture_fraction"),
+                 "estimate_error": v.get("estimate_error"), "probe_share": v.get("probe_share"),
+                 "probe_corrected": v.get("probe_corrected"), "gpu_busy": e.get("gpu_busy"),
+                 "launch_thread_cpu": e.get("launch_thread_cpu"), "ts_ns": v["ts_ns"],
+                 "window_ns": v["window_ns"], "whole_run": v.get("whole_run", False)}
+            a0, b0 = v["ts_ns"] - v["window_ns"], v["ts_ns"]
+            # Steps the workload made in the verdict's window, when the window lies inside its
+            # steps (warm-up included), or the whole run's.
+            if ends and (d["whole_run"] or ends[0] <= a0 < b0 <= ends[-1]):
+                d["steps_in_window"] = sum(1 for t in ends if a0 < t <= b0)
+            res["verdicts"].append(d)
         caps = [l for l in ls if l.get("type") == "capture"]
         res["capture"] = {
             "open_us": [c["took_us"] for c in caps if c["state"] == "open"],
             "close_us": [c["took_us"] for c in caps if c["state"] == "closed"],
             "links": max([c["links"] for c in caps], default=0),
         }
-    if obs:
-        os.remove(jsonl) if os.path.exists(jsonl) else None
+    for f in (jsonl, times):
+        if os.path.exists(f):
+            os.remove(f)
     print(json.dumps(res), flush=True)
     return res
 
@@ -150,22 +175,38 @@ def main():
     med = {m: statistics.median(x["us_per_step"] for x in by[m]) for m in modes if by[m]}
     report = {"workload": a.workload, "steps": a.steps, "rounds": a.rounds, "runs": runs,
               "median_us_per_step": med}
-    # Launch-rate truth per round: launches per step (always-on, exact) x the fleet run's rate.
+    # Launch-rate truth per verdict: launches per step (always-on, exact) x the steps the fleet
+    # run's workload timed in the verdict's window.
     est = []
     for r in range(a.rounds):
         al = [x for x in by.get("always", []) if x["round"] == r]
         fl = [x for x in by.get("fleet", []) if x["round"] == r]
-        if not (al and fl and al[0].get("launches") and fl[0]["verdicts"]):
+        if not (al and fl and al[0].get("launches")):
             continue
         per_step = al[0]["launches"] / (al[0]["steps"] + al[0]["warmup"])
-        truth = per_step * 1e6 / fl[0]["us_per_step"]
-        got = statistics.median(v["launches_per_s"] for v in fl[0]["verdicts"])
-        est.append({"round": r, "truth_per_s": round(truth, 1), "estimate_per_s": got,
-                    "error": round(got / truth - 1, 4),
-                    "bound": fl[0]["verdicts"][-1].get("estimate_error"),
-                    "class_fleet": [v["class"] for v in fl[0]["verdicts"]],
-                    "class_always": [v["class"] for v in al[0]["verdicts"]]})
+        for v in fl[0]["verdicts"]:
+            if "steps_in_window" not in v or not v.get("capture_fraction"):
+                continue
+            truth = per_step * v["steps_in_window"] / (v["window_ns"] / 1e9)
+            got = v["launches_per_s"]
+            raw = got * (1 - v["probe_share"]) if v.get("probe_corrected") else got
+            est.append({"round": r, "truth_per_s": round(truth, 1), "estimate_per_s": got,
+                        "error": round(got / truth - 1, 4),
+                        "uncorrected_error": round(raw / truth - 1, 4),
+                        "bound": v.get("estimate_error"), "probe_share": v.get("probe_share"),
+                        "corrected": v.get("probe_corrected"), "whole_run": v["whole_run"],
+                        "class_fleet": v["class"],
+                        "class_always": [x["class"] for x in al[0]["verdicts"]]})
     report["estimates"] = est
+    errs = sorted(abs(e["error"]) for e in est if not e["whole_run"])
+    if errs:
+        report["estimate_summary"] = {
+            "verdicts": len(errs), "median_abs_error": statistics.median(errs),
+            "max_abs_error": errs[-1],
+            "within_5pct": sum(1 for x in errs if x <= 0.05),
+            "within_bound": sum(1 for e in est if not e["whole_run"] and e["bound"]
+                                and abs(e["error"]) <= e["bound"]),
+            "whole_run_abs_errors": [abs(e["error"]) for e in est if e["whole_run"]]}
     json.dump(report, open(f"{a.out}/fleet-{a.workload}.json", "w"), indent=1)
     base = med.get("bare")
     print(f"\n| mode | µs/step (median of {a.rounds}) | runs | vs bare | vs floor |")
@@ -178,9 +219,13 @@ def main():
         vf = f"{med[m] / med['floor']:.3f}×" if "floor" in med else "-"
         print(f"| {m} | {med[m]:.1f} | {vals} | {vb} | {vf} |")
     for e in est:
-        print(f"round {e['round']}: launches/s truth {e['truth_per_s']}, fleet estimate "
-              f"{e['estimate_per_s']} ({e['error']*100:+.2f} %, bound ±{(e['bound'] or 0)*100:.1f} %); "
-              f"verdict fleet {e['class_fleet']} always {e['class_always']}")
+        print(f"round {e['round']}{' whole run' if e['whole_run'] else ''}: launches/s truth {e['truth_per_s']}, fleet estimate "
+              f"{e['estimate_per_s']} ({e['error']*100:+.2f} %, uncorrected "
+              f"{e['uncorrected_error']*100:+.2f} %, bound ±{(e['bound'] or 0)*100:.1f} %, probes "
+              f"{(e['probe_share'] or 0)*100:.1f} % of the thread); verdict fleet {e['class_fleet']} "
+              f"always {e['class_always']}")
+    if "estimate_summary" in report:
+        print("estimates:", json.dumps(report["estimate_summary"]))
 
 
 if __name__ == "__main__":

@@ -75,6 +75,10 @@ impl Flags {
     pub const NAME_ARG2: u32 = 1 << 18;
     /// arg0 is a `const char**` the call fills (`cuFuncGetName(&name, f)`): copy `*arg0` at return.
     pub const NAME_OUT0: u32 = 1 << 19;
+    /// Fleet mode: the probe follows the capture windows, and its entry records only while
+    /// the window is open (`config::WINDOW_OPEN`); the links are attached a little before and
+    /// closed a little after, so the captured time is exactly the gate's.
+    pub const WINDOWED: u32 = 1 << 20;
     pub const ID_MASK: u32 = 0xffff;
 }
 

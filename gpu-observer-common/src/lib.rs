@@ -43,7 +43,10 @@ pub mod config {
     /// Non-zero: with `FILTER_TGID`, its descendants are observed too (the `FOLLOWED` map,
     /// kept by the `task_newtask` tracepoint).
     pub const FOLLOW_CHILDREN: u32 = 3;
-    pub const LEN: u32 = 4;
+    /// Fleet mode: non-zero while a capture window is open. Entries of probes attached with
+    /// `api::Flags::WINDOWED` record nothing while it is zero.
+    pub const WINDOW_OPEN: u32 = 4;
+    pub const LEN: u32 = 5;
 }
 
 /// The `task/task_newtask` tracepoint's record, as its tracefs format file gives it (the agent

@@ -69,8 +69,9 @@ pub struct Semaphore {
 #[allow(non_upper_case_globals)]
 pub static mut gpu_observer_cupti_semaphore: Semaphore = Semaphore { count: 0 };
 
-/// Written by an observer that injected this library (`gpu_observer_common::cupti::control`);
-/// read only when the library was injected into a running process ([`LATE`]).
+/// Written by an observer (`gpu_observer_common::cupti::control`): `ON`/`OFF` switch a library
+/// injected into a running process ([`LATE`]); `PAUSE` holds any library between fleet mode's
+/// capture windows.
 #[unsafe(no_mangle)]
 #[unsafe(link_section = ".probes")]
 #[allow(non_upper_case_globals)]
@@ -117,16 +118,32 @@ fn loaded_from_memfd() -> bool {
         .starts_with(b"/proc/self/fd/")
 }
 
-/// Whether the observer that injected this library wants GPU timing now.
-fn switched_on() -> bool {
+/// The observer's control word now.
+fn control_word() -> u32 {
     // SAFETY: a plain read of a u32 the observer may write at any time (through
     // /proc/<pid>/mem); volatile so each check sees the current value.
-    unsafe { std::ptr::read_volatile(&raw const gpu_observer_cupti_control) == control::ON }
+    unsafe { std::ptr::read_volatile(&raw const gpu_observer_cupti_control) }
 }
 
-/// Whether to collect: an observer is attached and, for a late load, has switched it on.
+/// Whether to collect: an observer is attached, has not paused collection (fleet mode between
+/// windows) and, for a late load, has switched it on.
 fn wanted() -> bool {
-    observed() && (!LATE.load(Relaxed) || switched_on())
+    observed()
+        && match control_word() {
+            control::ON => true,
+            control::PAUSE => false,
+            _ => !LATE.load(Relaxed),
+        }
+}
+
+/// With no observer attached, a pause left by one (killed between two capture windows) is
+/// lifted: the next observer starts from the initial word.
+fn lift_stale_pause() {
+    if !observed() && control_word() == control::PAUSE {
+        // SAFETY: a plain write of a u32 the observer may also write (it writes whole words;
+        // either value is a valid one).
+        unsafe { std::ptr::write_volatile(&raw mut gpu_observer_cupti_control, control::OFF) }
+    }
 }
 
 /// Whether an observer is attached now.
@@ -453,6 +470,7 @@ fn control() {
             }
         }
         was_observed = now_observed;
+        lift_stale_pause();
         std::thread::sleep(POLL);
     }
 }

@@ -20,8 +20,7 @@
 //! popped); a lower one is a nested call's return.
 
 use aya_ebpf::{
-    EbpfContext,
-    helpers::{bpf_probe_read_user, bpf_probe_read_user_str_bytes, generated::bpf_get_attach_cookie},
+    helpers::{bpf_probe_read_user, bpf_probe_read_user_str_bytes},
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext},
 };
@@ -31,7 +30,8 @@ use gpu_observer_common::{
 };
 
 use crate::{
-    emit::{Ids, current, enter, header, now, reserve, submit},
+    emit::{Ids, current, enter_probe, header, now, reserve, submit},
+    launch::cookie,
     maps::INFLIGHT,
 };
 
@@ -98,22 +98,20 @@ impl Call {
 
 #[uprobe]
 pub fn api_enter(ctx: ProbeContext) -> u32 {
-    let Some(ids) = enter() else {
+    let cookie = cookie(&ctx);
+    let Some((ids, ts_ns)) = enter_probe(cookie) else {
         return 0;
     };
     // SAFETY: the registers of the probed thread at entry, given by the kernel.
     let sp = unsafe { (*ctx.regs).rsp };
     // SAFETY: user memory read through the helper, which fails cleanly on a bad address.
     let ret_addr = unsafe { bpf_probe_read_user(sp as *const u64) }.unwrap_or(0);
-    // SAFETY: helper reading the cookie of the attachment that fired.
-    let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
     let mut args = [0u64; 6];
     let mut i = 0;
     while i < 6 {
         args[i] = ctx.arg::<u64>(i).unwrap_or(0);
         i += 1;
     }
-    let ts_ns = now();
     if let Some(p) = INFLIGHT.get_ptr_mut(ids.tid) {
         // SAFETY: per-thread entry, only this thread touches it.
         let s = unsafe { &mut *p };

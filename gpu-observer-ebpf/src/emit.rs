@@ -5,6 +5,7 @@ use aya_ebpf::{
     maps::ring_buf::RingBufEntry,
 };
 use gpu_observer_common::{
+    api::Flags,
     config,
     event::{COMM_LEN, EventHeader, EventKind},
 };
@@ -64,6 +65,25 @@ pub fn enter() -> Option<Ids> {
     }
     mark_observed(ids);
     Some(ids)
+}
+
+/// Prologue of a libcuda entry probe: [`enter`] and the call's timestamp, unless the probe
+/// follows the capture windows (its cookie says so) and none is open — its link is still
+/// being attached or closed. The window is looked at before and after the timestamp, so a
+/// recorded call's timestamp lies between two moments it was open: inside the agent's open
+/// and close timestamps (taken before opening, after closing), exactly.
+#[inline(always)]
+pub fn enter_probe(cookie: u32) -> Option<(Ids, u64)> {
+    let windowed = cookie & Flags::WINDOWED != 0;
+    if windowed && config(config::WINDOW_OPEN) == 0 {
+        return None;
+    }
+    let ids = enter()?;
+    let ts = now();
+    if windowed && config(config::WINDOW_OPEN) == 0 {
+        return None;
+    }
+    Some((ids, ts))
 }
 
 /// Calls of probed libcuda functions make a process observed: its ioctls are recorded from now on.

@@ -11,13 +11,19 @@ use gpu_observer_common::{
     event::{EventKind, LaunchEvent, read_error},
 };
 
-use crate::emit::{enter, header, now, reserve, submit};
+use crate::emit::{enter_probe, header, reserve, submit};
+
+/// The attach cookie: the API id and its flags.
+#[inline(always)]
+pub fn cookie(ctx: &ProbeContext) -> u32 {
+    // SAFETY: helper reading the cookie of the attachment that fired.
+    unsafe { bpf_get_attach_cookie(ctx.as_ptr()) as u32 }
+}
 
 /// The API id from the attach cookie.
 #[inline(always)]
 pub fn api_id(ctx: &ProbeContext) -> u32 {
-    // SAFETY: helper reading the cookie of the attachment that fired.
-    (unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32) & Flags::ID_MASK
+    cookie(ctx) & Flags::ID_MASK
 }
 
 #[inline(always)]
@@ -29,10 +35,9 @@ fn arg(ctx: &ProbeContext, n: usize) -> u64 {
 /// `cuLaunchCooperativeKernel` (same layout without `extra`), `_ptsz` twins too.
 #[uprobe]
 pub fn launch_kernel(ctx: ProbeContext) -> u32 {
-    let Some(ids) = enter() else {
+    let Some((ids, ts)) = enter_probe(cookie(&ctx)) else {
         return 0;
     };
-    let ts = now();
     // Arguments 7-9 (blockDimZ, sharedMemBytes, hStream) sit on the stack above the return
     // address; 32-bit ones use the low half of an 8-byte slot.
     // SAFETY: ctx.regs points at the probed task's saved registers for the program's run.
@@ -72,10 +77,9 @@ struct LaunchConfigHead {
 /// `cuLaunchKernelEx(const CUlaunchConfig* config, CUfunction f, void** params, void** extra)`.
 #[uprobe]
 pub fn launch_kernel_ex(ctx: ProbeContext) -> u32 {
-    let Some(ids) = enter() else {
+    let Some((ids, ts)) = enter_probe(cookie(&ctx)) else {
         return 0;
     };
-    let ts = now();
     let config = arg(&ctx, 0) as *const LaunchConfigHead;
     // SAFETY: user memory read through the helper, which fails cleanly on a bad address.
     let (head, errors) = match unsafe { bpf_probe_read_user(config) } {
@@ -109,10 +113,9 @@ pub fn launch_kernel_ex(ctx: ProbeContext) -> u32 {
 /// `cuGraphLaunch(CUgraphExec exec, CUstream stream)`: the exec handle goes in `function`.
 #[uprobe]
 pub fn graph_launch(ctx: ProbeContext) -> u32 {
-    let Some(ids) = enter() else {
+    let Some((ids, ts)) = enter_probe(cookie(&ctx)) else {
         return 0;
     };
-    let ts = now();
     let Some(mut entry) = reserve::<LaunchEvent>(EventKind::Launch, ids.tgid) else {
         return 0;
     };

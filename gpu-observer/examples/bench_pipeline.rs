@@ -109,6 +109,9 @@ struct Args {
     /// Where the runs with the Perfetto sink write their trace (removed after each run).
     #[arg(long)]
     perfetto_file: Option<PathBuf>,
+    /// Events a second the OTLP runs are paced to (0: no OTLP runs).
+    #[arg(long, default_value_t = 1_000_000)]
+    otlp_rate: u64,
 }
 
 /// One run's measurement.
@@ -137,6 +140,9 @@ fn main() -> Result<()> {
     let file = std::fs::read(&args.records).with_context(|| format!("read {}", args.records.display()))?;
     let records = pass_of(&file)?;
     let machine = machine();
+    // The collector stands in for a remote one: started before the pinning, so it is not on
+    // the measured core.
+    let receiver = Receiver::start()?;
     let cpu = pin_to_one_cpu()?;
     println!(
         "bench_pipeline: {} ({} records a pass, {} bytes), one core (CPU {cpu}) of {machine}",
@@ -167,6 +173,9 @@ fn main() -> Result<()> {
     let events_per_s = median.events_per_s();
     println!("median: {events_per_s:.0} events/s, {allocs_per_event:.4} allocations/event");
     perfetto_runs(&args, &records, events_per_s)?;
+    if args.otlp_rate > 0 {
+        otlp_runs(&args, &records, &receiver)?;
+    }
     let recording = json!({
         "path": args.records.display().to_string(),
         "records": records.len(),
@@ -239,6 +248,193 @@ fn perfetto_runs(args: &Args, records: &[Vec<u8>], plain_events_per_s: f64) -> R
         median.trace_bytes_per_event
     );
     Ok(())
+}
+
+/// A stand-in OTLP/HTTP collector on the loopback: reads each request (Content-Length bodies,
+/// keep-alive) and answers 200 with an empty protobuf response, counting the bytes.
+struct Receiver {
+    port: u16,
+    bytes: std::sync::Arc<AtomicU64>,
+    /// CPU time its threads took, ns (not the agent's: subtracted from the process's).
+    cpu_ns: std::sync::Arc<AtomicU64>,
+}
+
+impl Receiver {
+    fn start() -> Result<Self> {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let port = listener.local_addr()?.port();
+        let bytes = std::sync::Arc::new(AtomicU64::new(0));
+        let cpu_ns = std::sync::Arc::new(AtomicU64::new(0));
+        let (b, c) = (bytes.clone(), cpu_ns.clone());
+        std::thread::Builder::new()
+            .name("otlp-receiver".into())
+            .spawn(move || {
+                for conn in listener.incoming().flatten() {
+                    let (b, c) = (b.clone(), c.clone());
+                    std::thread::spawn(move || {
+                        let before = thread_cpu_ns();
+                        let _ = serve(conn, &b, &c, before);
+                    });
+                }
+            })?;
+        Ok(Self { port, bytes, cpu_ns })
+    }
+}
+
+/// One connection's requests, until it closes.
+fn serve(conn: std::net::TcpStream, bytes: &AtomicU64, cpu_ns: &AtomicU64, mut cpu_mark: u64) -> Result<()> {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let mut out = conn.try_clone()?;
+    let mut r = BufReader::with_capacity(1 << 16, conn);
+    let mut line = String::new();
+    let mut body = Vec::new();
+    loop {
+        let mut len = 0usize;
+        loop {
+            line.clear();
+            if r.read_line(&mut line)? == 0 {
+                return Ok(());
+            }
+            let l = line.trim_end();
+            if l.is_empty() {
+                break;
+            }
+            if let Some((k, v)) = l.split_once(':')
+                && k.eq_ignore_ascii_case("content-length")
+            {
+                len = v.trim().parse().context("content-length")?;
+            }
+        }
+        body.resize(len, 0);
+        r.read_exact(&mut body)?;
+        bytes.fetch_add(len as u64, Ordering::Relaxed);
+        out.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n")?;
+        let now = thread_cpu_ns();
+        cpu_ns.fetch_add(now - cpu_mark, Ordering::Relaxed);
+        cpu_mark = now;
+    }
+}
+
+fn thread_cpu_ns() -> u64 {
+    cpu_clock(libc::CLOCK_THREAD_CPUTIME_ID)
+}
+
+fn process_cpu_ns() -> u64 {
+    cpu_clock(libc::CLOCK_PROCESS_CPUTIME_ID)
+}
+
+fn cpu_clock(clock: libc::clockid_t) -> u64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid timespec to fill.
+    unsafe { libc::clock_gettime(clock, &mut t) };
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}
+
+/// The OTLP runs: the pipeline as the agent runs it with `--format none` and an OTLP endpoint
+/// (the DaemonSet's), the default adaptive sampling (100 µs threshold, 10 000 spans a second
+/// per process), paced to `--otlp-rate` events a second for `--seconds`, then drained (the
+/// span thread exports what is queued). Judged: nothing dropped, the pace held, the core's
+/// share the agent's threads took (the receiver's CPU left out). Spans go to [`Receiver`]
+/// over HTTP/protobuf.
+fn otlp_runs(args: &Args, records: &[Vec<u8>], receiver: &Receiver) -> Result<()> {
+    use gpu_observer::export::otlp;
+    let rate = args.otlp_rate as f64;
+    let mut failed = false;
+    for run in 0..args.runs.max(1) {
+        let hub = nvml::Hub::new(nvml::State::Off, Duration::from_millis(100), None);
+        let (publisher, snapshots) = Publisher::new(hub.view());
+        let cfg = otlp::Config {
+            endpoint: Some(format!("http://127.0.0.1:{}", receiver.port)),
+            grpc: false,
+            interval: Duration::from_secs(10),
+            queue: 65_536,
+            timeout: Duration::from_secs(5),
+            command_line: false,
+            threshold_ns: THRESHOLD_NS,
+            trace_all: false,
+            max_spans_per_sec: 10_000,
+        };
+        let exporter = otlp::start(cfg, snapshots, Default::default(), &hub.view(), "cuda")?;
+        let sender = exporter.sender().context("the OTLP sender")?;
+        let corr = Correlator::new(THRESHOLD_NS).with_memory_limit_mb(DEFAULT_MEMORY_LIMIT_MB, DEFAULT_RING_BYTES);
+        let mut pipe = Pipeline::new(
+            corr,
+            vec![Box::new(sender)],
+            hub,
+            None,
+            publisher,
+            Default::default(),
+            monotonic_ns(),
+        );
+        let (cpu0, recv_cpu0, bytes0, allocs0) = (
+            process_cpu_ns(),
+            receiver.cpu_ns.load(Ordering::Relaxed),
+            receiver.bytes.load(Ordering::Relaxed),
+            ALLOCS.load(Ordering::Relaxed),
+        );
+        let start = Instant::now();
+        let (mut events, mut pass, mut item) = (0u64, 0u32, Vec::new());
+        while start.elapsed().as_secs_f64() < args.seconds {
+            // Paced: a pass is due when the events before it are, at the rate.
+            let due = Duration::from_secs_f64(events as f64 / rate);
+            if let Some(ahead) = due.checked_sub(start.elapsed()) {
+                std::thread::sleep(ahead);
+            }
+            replay_pass(&mut pipe, records, pass, &mut item)?;
+            events += records.len() as u64;
+            pass = pass.wrapping_add(1);
+        }
+        let replayed = start.elapsed().as_secs_f64();
+        drop(pipe.finish(monotonic_ns())?);
+        let counters = exporter.counters.clone();
+        exporter.shutdown(Duration::from_secs(10));
+        let wall = start.elapsed().as_secs_f64();
+        let recv_cpu = receiver.cpu_ns.load(Ordering::Relaxed) - recv_cpu0;
+        let cpu = (process_cpu_ns() - cpu0).saturating_sub(recv_cpu) as f64 / 1e9;
+        let allocs = ALLOCS.load(Ordering::Relaxed) - allocs0;
+        let c = counters.json();
+        let (exported, dropped, sampled_out, failures) = (
+            c["spans_exported"].as_u64().unwrap_or(0),
+            c["spans_dropped"].as_u64().unwrap_or(0),
+            c["spans_sampled_out"].as_u64().unwrap_or(0),
+            c["trace_export_failures"].as_u64().unwrap_or(0),
+        );
+        let paced = events as f64 / replayed;
+        println!(
+            "  with OTLP, run {}: {events} events paced at {paced:.0}/s over {replayed:.2} s, drained by {wall:.2} s; agent threads {:.1} % of the core; {exported} spans exported ({:.1} MB), {sampled_out} sampled out, {dropped} dropped, {failures} failed exports; {:.3} allocations/event",
+            run + 1,
+            cpu / wall * 100.0,
+            (receiver.bytes.load(Ordering::Relaxed) - bytes0) as f64 / 1e6,
+            allocs as f64 / events as f64,
+        );
+        if dropped > 0 || failures > 0 || exported == 0 || paced < 0.98 * rate {
+            failed = true;
+        }
+    }
+    if failed {
+        println!("with OTLP at {rate:.0} events/s: FAIL (a run dropped, failed to export or fell behind the pace)");
+        bail!("the OTLP runs did not hold {rate:.0} events/s");
+    }
+    println!("with OTLP at {rate:.0} events/s: PASS (every run held the pace, dropped nothing)");
+    Ok(())
+}
+
+/// One pass of the recording as a new set of processes (see [`measure`]).
+fn replay_pass(pipe: &mut Pipeline, records: &[Vec<u8>], pass: u32, item: &mut Vec<u8>) -> Result<()> {
+    let offset = pass.wrapping_mul(1_000_003);
+    for r in records {
+        item.clear();
+        item.extend_from_slice(r);
+        if let Some(pid) = item.get_mut(PID_AT..PID_AT + 4)
+            && let Ok(old) = <[u8; 4]>::try_from(&*pid)
+        {
+            let new = u32::from_ne_bytes(old).wrapping_add(offset);
+            pid.copy_from_slice(&new.to_ne_bytes());
+        }
+        pipe.record(item)?;
+    }
+    pipe.end_batch()?;
+    pipe.tick(monotonic_ns(), false)
 }
 
 /// Compares with the baseline; exits 1 on FAIL.
@@ -354,22 +550,7 @@ fn measure(records: &[Vec<u8>], min: Duration, perfetto: Option<&Path>) -> Resul
     let longest = records.iter().map(Vec::len).max().unwrap_or(0);
     let mut item = Vec::with_capacity(longest);
     let mut pass = 0u32;
-    let mut one_pass = |pipe: &mut Pipeline, pass: u32| -> Result<()> {
-        let offset = pass.wrapping_mul(1_000_003);
-        for r in records {
-            item.clear();
-            item.extend_from_slice(r);
-            if let Some(pid) = item.get_mut(PID_AT..PID_AT + 4)
-                && let Ok(old) = <[u8; 4]>::try_from(&*pid)
-            {
-                let new = u32::from_ne_bytes(old).wrapping_add(offset);
-                pid.copy_from_slice(&new.to_ne_bytes());
-            }
-            pipe.record(&item)?;
-        }
-        pipe.end_batch()?;
-        pipe.tick(monotonic_ns(), false)
-    };
+    let mut one_pass = |pipe: &mut Pipeline, pass: u32| replay_pass(pipe, records, pass, &mut item);
     one_pass(&mut pipe, pass)?;
     pass += 1;
     let (start, allocs) = (Instant::now(), ALLOCS.load(Ordering::Relaxed));

@@ -158,6 +158,13 @@ impl ProcInfo {
         cpu_ns_of_stat(&String::from_utf8_lossy(&stat))
     }
 
+    /// System time of one thread, in ns (field 15 of its stat): where a uprobe's trap and
+    /// program are charged (observe/capture.rs measures the probes' cost with it).
+    pub fn thread_sys_ns(&self, pid: u32, tid: u32) -> Option<u64> {
+        let (stat, _) = read_bounded(&self.root.join(format!("{pid}/task/{tid}/stat")), MAX_STAT)?;
+        stat_times(&String::from_utf8_lossy(&stat)).map(|(_, sys)| sys)
+    }
+
     /// CPU time of the whole process (all its threads, live and exited), in ns.
     pub fn process_cpu_ns(&self, pid: u32) -> Option<u64> {
         let (stat, _) = read_bounded(&self.path(pid, "stat"), MAX_STAT)?;
@@ -190,6 +197,11 @@ impl ProcInfo {
 /// utime + stime of a `stat` line, in ns: the 12th and 13th fields after the command name
 /// (which may hold spaces and parentheses, so fields are counted after the last `)`).
 fn cpu_ns_of_stat(stat: &str) -> Option<u64> {
+    stat_times(stat).map(|(user, sys)| user.saturating_add(sys))
+}
+
+/// (user, system) time in ns from a stat line (fields 14 and 15, in clock ticks).
+fn stat_times(stat: &str) -> Option<(u64, u64)> {
     let mut f = stat[stat.rfind(')')? + 1..].split_whitespace().skip(11);
     let utime: u64 = f.next()?.parse().ok()?;
     let stime: u64 = f.next()?.parse().ok()?;
@@ -197,7 +209,8 @@ fn cpu_ns_of_stat(stat: &str) -> Option<u64> {
     let hz = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) })
         .unwrap_or(100)
         .max(1);
-    Some((utime + stime).saturating_mul(1_000_000_000 / hz))
+    let ns = 1_000_000_000 / hz;
+    Some((utime.saturating_mul(ns), stime.saturating_mul(ns)))
 }
 
 /// Up to `max` bytes of a file; `true` when it had more.

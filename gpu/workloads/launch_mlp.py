@@ -14,6 +14,8 @@ import torch
 ap = argparse.ArgumentParser()
 ap.add_argument("--steps", type=int, default=3000)
 ap.add_argument("--warmup", type=int, default=300)
+ap.add_argument("--step-times", help="write each step's end (warm-up too; CLOCK_MONOTONIC ns), one per line: "
+                "the truth a fleet-mode estimate over any stretch is checked against")
 args = ap.parse_args()
 
 torch.manual_seed(0)
@@ -34,8 +36,10 @@ def step():
     return loss
 
 
+ends = []
 for _ in range(args.warmup):
     step()
+    ends.append(time.monotonic_ns())
 torch.cuda.synchronize()
 chunks, cpus = [], set()
 t0 = time.perf_counter()
@@ -44,6 +48,7 @@ for _ in range(max(1, args.steps // 100)):
     a = time.perf_counter()
     for _ in range(100):
         loss = step()
+        ends.append(time.monotonic_ns())
     torch.cuda.synchronize()
     chunks.append((time.perf_counter() - a) / 100 * 1e6)
     with open("/proc/self/stat") as f:
@@ -51,6 +56,9 @@ for _ in range(max(1, args.steps // 100)):
 steps = len(chunks) * 100
 elapsed = time.perf_counter() - t0
 chunks.sort()
+if args.step_times:
+    with open(args.step_times, "w") as f:
+        f.write("\n".join(map(str, ends)) + "\n")
 print(json.dumps({
     "pid": os.getpid(),
     "us_per_step": round(elapsed / steps * 1e6, 1),

@@ -529,3 +529,49 @@ impl Workload {
         (reply.trim().to_string(), status)
     }
 }
+
+/// The CUPTI injection library built beside the agent.
+pub fn injection_lib() -> PathBuf {
+    observer_bin().with_file_name("libgpu_observer_cupti.so")
+}
+
+/// The fake CUPTI the injection library loads in the tests.
+pub fn fake_cupti() -> PathBuf {
+    fixtures().join("libcupti.so.13")
+}
+
+/// The environment that makes the fake driver load our injection library and it the fake
+/// CUPTI (records flushed every 50 ms, syncs not delayed), with `extra` added.
+pub fn cupti_env(extra: &[(&'static str, &'static str)]) -> Vec<(&'static str, String)> {
+    let mut env = vec![
+        ("CUDA_INJECTION64_PATH", injection_lib().display().to_string()),
+        ("GPU_OBSERVER_CUPTI_PATH", fake_cupti().display().to_string()),
+        ("GPU_OBSERVER_CUPTI_FLUSH_MS", "50".to_string()),
+        ("FAKE_CUDA_SYNC_US", "0".to_string()),
+    ];
+    env.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
+    env
+}
+
+/// `cupti_stats` of the fake CUPTI a workload loaded: its own account (enabled kinds, enable
+/// and disable calls, records delivered).
+pub fn cupti_stats(w: &mut Workload) -> Value {
+    let reply = w.cmd("cupti_stats");
+    let json = reply
+        .strip_prefix("ok cupti_stats ")
+        .unwrap_or_else(|| panic!("cupti_stats reply {reply:?}"));
+    serde_json::from_str(json).unwrap_or_else(|e| panic!("cupti_stats reply {reply:?}: {e}"))
+}
+
+impl Workload {
+    /// The workload with the injection library and the fake CUPTI ([`cupti_env`] with
+    /// `extra`), a fresh fake libcuda in `dir` loaded.
+    pub fn with_cupti(dir: &Path, extra: &[(&'static str, &'static str)]) -> Workload {
+        let env = cupti_env(extra);
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let lib = fresh_lib(dir, "libcuda.so.1");
+        let mut w = Workload::start_with_env(&env);
+        w.cmd(&format!("load {}", lib.display()));
+        w
+    }
+}

@@ -4,7 +4,6 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
-    path::{Path, PathBuf},
     process::Command,
     time::{Duration, Instant},
 };
@@ -12,42 +11,6 @@ use std::{
 use gpu_observer_common::cupti;
 use gpu_observer_tests::*;
 use serde_json::Value;
-
-fn injection_lib() -> PathBuf {
-    observer_bin().with_file_name("libgpu_observer_cupti.so")
-}
-
-fn fake_cupti() -> PathBuf {
-    fixtures().join("libcupti.so.13")
-}
-
-/// The environment that makes the fake driver load our injection library and it the fake CUPTI.
-fn cupti_env(extra: &[(&'static str, &'static str)]) -> Vec<(&'static str, String)> {
-    let mut env = vec![
-        ("CUDA_INJECTION64_PATH", injection_lib().display().to_string()),
-        ("GPU_OBSERVER_CUPTI_PATH", fake_cupti().display().to_string()),
-        ("GPU_OBSERVER_CUPTI_FLUSH_MS", "50".to_string()),
-        ("FAKE_CUDA_SYNC_US", "0".to_string()),
-    ];
-    env.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
-    env
-}
-
-fn start_workload(dir: &Path, extra: &[(&'static str, &'static str)]) -> Workload {
-    let env = cupti_env(extra);
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let lib = fresh_lib(dir, "libcuda.so.1");
-    let mut w = Workload::start_with_env(&env);
-    w.cmd(&format!("load {}", lib.display()));
-    w
-}
-
-/// The fake CUPTI's own account: enabled kinds, records delivered.
-fn cupti_stats(w: &mut Workload) -> Value {
-    let reply = w.cmd("cupti_stats");
-    let json = reply.strip_prefix("ok cupti_stats ").expect("cupti_stats reply");
-    serde_json::from_str(json).unwrap_or_else(|e| panic!("{reply}: {e}"))
-}
 
 fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
     let start = Instant::now();
@@ -158,7 +121,7 @@ fn join_test(env: &[(&'static str, &'static str)]) {
     let _g = serial();
     require_root();
     let dir = scratch("cupti-join");
-    let mut w = start_workload(&dir, env);
+    let mut w = Workload::with_cupti(&dir, env);
     let agent = Agent::start(&dir, &["--pid", &w.pid.to_string()]);
     agent.wait_stderr("attached", Duration::from_secs(10));
     // cuInit loads the injection library; the agent finds it and probes its hooks.
@@ -211,7 +174,7 @@ fn without_an_observer_the_injection_library_collects_nothing() {
     let _g = serial();
     require_root();
     let dir = scratch("cupti-gate");
-    let mut w = start_workload(&dir, &[]);
+    let mut w = Workload::with_cupti(&dir, &[]);
     w.cmd("init");
     let exp = dir.join("before.jsonl");
     w.cmd(&format!("run 1 1 {}", exp.display()));
@@ -266,7 +229,7 @@ fn cupti_busy_falls_back_to_uprobes_and_says_so() {
     let _g = serial();
     require_root();
     let dir = scratch("cupti-busy");
-    let mut w = start_workload(&dir, &[("FAKE_CUPTI_BUSY", "1")]);
+    let mut w = Workload::with_cupti(&dir, &[("FAKE_CUPTI_BUSY", "1")]);
     let agent = Agent::start(&dir, &["--pid", &w.pid.to_string()]);
     agent.wait_stderr("attached", Duration::from_secs(10));
     w.cmd("init");
@@ -379,7 +342,7 @@ fn the_rate_limit_counts_every_record_it_holds_back() {
     let _g = serial();
     require_root();
     let dir = scratch("cupti-rate");
-    let mut w = start_workload(&dir, &[("GPU_OBSERVER_CUPTI_RATE_LIMIT", "20")]);
+    let mut w = Workload::with_cupti(&dir, &[("GPU_OBSERVER_CUPTI_RATE_LIMIT", "20")]);
     let agent = Agent::start(&dir, &["--pid", &w.pid.to_string()]);
     agent.wait_stderr("attached", Duration::from_secs(10));
     w.cmd("init");
@@ -413,7 +376,7 @@ fn an_injected_process_is_picked_up_in_all_process_mode() {
     let _g = serial();
     require_root();
     let dir = scratch("cupti-all");
-    let mut w = start_workload(&dir, &[]);
+    let mut w = Workload::with_cupti(&dir, &[]);
     w.cmd("init");
     let agent = Agent::start(&dir, &[]);
     agent.wait_stderr(

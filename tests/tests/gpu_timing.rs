@@ -35,10 +35,6 @@ const MAX_GAP_BOUND_US: u64 = 500_000;
 /// The unprivileged user (and group) `nobody`.
 const NOBODY: u32 = 65534;
 
-fn injection_lib() -> PathBuf {
-    observer_bin().with_file_name("libgpu_observer_cupti.so")
-}
-
 fn inject_tool_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_inject_tool"))
 }
@@ -204,15 +200,6 @@ fn assert_untouched(pid: u32, what: &str) {
         "{what}: memfd descriptors in pid {pid}"
     );
     assert_eq!(traced_threads(pid), vec![], "{what}: threads of pid {pid} still traced");
-}
-
-/// `cupti_stats` of the fake CUPTI the injected library loaded.
-fn cupti_stats(w: &mut Workload) -> Value {
-    let reply = w.cmd("cupti_stats");
-    let json = reply
-        .strip_prefix("ok cupti_stats ")
-        .unwrap_or_else(|| panic!("cupti_stats reply {reply:?}"));
-    serde_json::from_str(json).unwrap_or_else(|e| panic!("cupti_stats reply {reply:?}: {e}"))
 }
 
 /// What `inject_tool` did.

@@ -1,4 +1,6 @@
-//! `cargo xtask bench-dashboard` (issue 15): what the live dashboard costs the agent.
+//! `cargo xtask bench-dashboard` (issue 15): what the live dashboard costs the agent; with
+//! `--modes` and `--rate`, what the agent costs at a given launch rate in any output mode
+//! (CPU and peak RSS; issue 18's 10 000 launches/s).
 //!
 //! The fake workload launches ~100 000 kernels a second (`burst 1000` every 10 ms) under the
 //! release agent, run alternately with `--format none` and with `--format dashboard` on a
@@ -40,15 +42,22 @@ pub struct Options {
     pub rate: u64,
     /// The most the dashboard may add, in % of a core.
     pub limit: f64,
+    /// The modes measured, in this order each round.
+    pub modes: Vec<Mode>,
 }
 
 /// Launches per `burst` command; bursts are paced to make [`Options::rate`].
 const BURST: u64 = 1000;
 
-#[derive(Clone, Copy, PartialEq)]
-enum Mode {
+#[derive(Clone, Copy, PartialEq, Debug, clap::ValueEnum)]
+pub enum Mode {
+    /// `--format none` (OTLP only, to the closed port).
     None,
+    /// `--format dashboard` on the pseudo-terminal.
     Dashboard,
+    /// `--format jsonl --output /dev/null` with the default adaptive sampling: every JSON
+    /// line the agent writes is formatted and written.
+    Jsonl,
 }
 
 impl Mode {
@@ -56,6 +65,7 @@ impl Mode {
         match self {
             Mode::None => "none",
             Mode::Dashboard => "dashboard",
+            Mode::Jsonl => "jsonl",
         }
     }
 }
@@ -68,14 +78,16 @@ struct Measured {
     tty_bytes_per_s: f64,
     /// (events, dropped) as the agent's summary counts them, over the whole run.
     events: (u64, u64),
+    /// The agent's peak resident set (VmHWM) at the end of the measured window, KiB.
+    peak_rss_kib: u64,
 }
 
 pub fn bench_dashboard(o: Options) -> Result<()> {
     if !crate::is_root() {
         bail!("the benchmark runs the observer (eBPF programs, uprobes): run it as root");
     }
-    if o.runs == 0 || o.seconds <= 0.0 || o.rate < BURST {
-        bail!("--runs must be at least 1, --seconds above 0, --rate at least {BURST}");
+    if o.runs == 0 || o.seconds <= 0.0 || o.rate < BURST || o.modes.is_empty() {
+        bail!("--runs must be at least 1, --seconds above 0, --rate at least {BURST}, --modes not empty");
     }
     crate::setup()?;
     let fixtures = crate::fixtures()?;
@@ -95,14 +107,15 @@ pub fn bench_dashboard(o: Options) -> Result<()> {
         o.runs, o.seconds, o.warmup, o.rate
     );
     for i in 0..o.runs {
-        for mode in [Mode::None, Mode::Dashboard] {
+        for &mode in &o.modes {
             let (back, m) = one_run(&o, mode, &bin, &lib, &nvml, w)?;
             w = back;
             println!(
-                "  run {} {:<9} {:6.2} %  ({:.0} launches/s paced; the agent counted {} events, {} dropped; {:.0} terminal bytes/s)",
+                "  run {} {:<9} {:6.2} %  peak RSS {:.1} MB  ({:.0} launches/s paced; the agent counted {} events, {} dropped; {:.0} terminal bytes/s)",
                 i + 1,
                 mode.name(),
                 m.cpu_pct,
+                m.peak_rss_kib as f64 / 1024.0,
                 m.launches_per_s,
                 m.events.0,
                 m.events.1,
@@ -116,15 +129,45 @@ pub fn bench_dashboard(o: Options) -> Result<()> {
     }
     let _ = w.cmd("exit");
     let of = |mode: Mode| -> Vec<f64> { got.iter().filter(|(m, _)| *m == mode).map(|(_, r)| r.cpu_pct).collect() };
-    let (none, dash) = (of(Mode::None), of(Mode::Dashboard));
-    println!("\n  run   --format none   --format dashboard");
-    for (i, (a, b)) in none.iter().zip(&dash).enumerate() {
-        println!("  {:>3}   {a:>11.2} %   {b:>15.2} %", i + 1);
+    print!("\n  run ");
+    for mode in &o.modes {
+        print!("  {:>18}", format!("--format {}", mode.name()));
     }
+    println!();
+    let cols: Vec<Vec<f64>> = o.modes.iter().map(|&m| of(m)).collect();
+    for i in 0..o.runs {
+        print!("  {:>3} ", i + 1);
+        for c in &cols {
+            print!("  {:>16.2} %", c[i]);
+        }
+        println!();
+    }
+    print!("  median");
+    for c in &cols {
+        print!("  {:>16.2} %", median(c));
+    }
+    println!();
+    for &mode in &o.modes {
+        let rss: Vec<f64> = got
+            .iter()
+            .filter(|(m, _)| *m == mode)
+            .map(|(_, r)| r.peak_rss_kib as f64 / 1024.0)
+            .collect();
+        println!(
+            "  --format {}: peak RSS median {:.1} MB, largest {:.1} MB",
+            mode.name(),
+            median(&rss),
+            rss.iter().copied().fold(0.0, f64::max)
+        );
+    }
+    // The dashboard's cost is judged when both it and `none` were measured.
+    if !(o.modes.contains(&Mode::None) && o.modes.contains(&Mode::Dashboard)) {
+        return Ok(());
+    }
+    let (none, dash) = (of(Mode::None), of(Mode::Dashboard));
     let (mn, md) = (median(&none), median(&dash));
     let diff = md - mn;
     let verdict = if diff <= o.limit { "PASS" } else { "FAIL" };
-    println!("  median{mn:>10.2} %   {md:>15.2} %");
     println!(
         "\ndashboard marginal cost: {diff:+.2} % of a core (median dashboard − median none; limit {} %): {verdict}",
         o.limit
@@ -171,7 +214,13 @@ fn drain(mut r: impl Read + Send + 'static, seen: Arc<Mutex<Seen>>) {
 fn one_run(o: &Options, mode: Mode, bin: &Path, lib: &Path, nvml: &Path, w: Workload) -> Result<(Workload, Measured)> {
     let seen: Arc<Mutex<Seen>> = Arc::default();
     let mut cmd = Command::new(bin);
-    cmd.args(["--format", mode.name(), "--libcuda"])
+    cmd.args(["--format", mode.name()])
+        .args(if mode == Mode::Jsonl {
+            &["--output", "/dev/null"][..]
+        } else {
+            &[]
+        })
+        .arg("--libcuda")
         .arg(lib)
         .arg("--nvml-lib")
         .arg(nvml)
@@ -186,7 +235,7 @@ fn one_run(o: &Options, mode: Mode, bin: &Path, lib: &Path, nvml: &Path, w: Work
         .env_remove("NO_COLOR")
         .env("TERM", "xterm-256color");
     let (mut agent, _master) = match mode {
-        Mode::None => {
+        Mode::None | Mode::Jsonl => {
             let mut child = cmd
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
@@ -271,6 +320,7 @@ fn one_run(o: &Options, mode: Mode, bin: &Path, lib: &Path, nvml: &Path, w: Work
         Instant::now(),
         seen.lock().unwrap_or_else(|e| e.into_inner()).total,
     );
+    let peak_rss_kib = peak_rss_kib(pid)?;
     stop.store(true, Ordering::Relaxed);
     let (w, launched, paced) = pacer.join().map_err(|_| anyhow::anyhow!("the pacer panicked"))??;
     // SAFETY: signalling our own child by pid.
@@ -297,6 +347,7 @@ fn one_run(o: &Options, mode: Mode, bin: &Path, lib: &Path, nvml: &Path, w: Work
             cpu_pct: (c1 - c0) as f64 / clock_ticks() / window * 100.0,
             launches_per_s: launched as f64 / paced.as_secs_f64(),
             events: counted(&shown(&seen)),
+            peak_rss_kib,
             tty_bytes_per_s: if mode == Mode::Dashboard {
                 (l1 - l0) as f64 / window
             } else {
@@ -354,6 +405,16 @@ fn pty(rows: u16, cols: u16) -> Result<(OwnedFd, OwnedFd)> {
 }
 
 /// utime + stime of the whole process (every thread), in clock ticks.
+/// VmHWM of a process, KiB.
+fn peak_rss_kib(pid: u32) -> Result<u64> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no VmHWM in /proc/PID/status")
+}
+
 fn cpu_ticks(pid: u32) -> Result<u64> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // Fields 14 and 15: the 12th and 13th after the `(comm)` field.

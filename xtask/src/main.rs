@@ -97,6 +97,10 @@ enum Task {
         /// The most the dashboard may add, in % of one core.
         #[arg(long, default_value_t = 1.0)]
         limit: f64,
+        /// Output modes measured each round (the dashboard's cost is judged when `none` and
+        /// `dashboard` are both in).
+        #[arg(long, value_delimiter = ',', default_value = "none,dashboard")]
+        modes: Vec<bench_dashboard::Mode>,
     },
     /// Release binary + GPU scripts in .gpu-bundle/ for a GPU machine (see gpu/README.md); its
     /// libgpu_observer_cupti.so is the portable one (glibc ≥ 2.17).
@@ -155,12 +159,14 @@ fn main() -> ExitCode {
             warmup,
             rate,
             limit,
+            modes,
         } => bench_dashboard::bench_dashboard(bench_dashboard::Options {
             runs,
             seconds,
             warmup,
             rate,
             limit,
+            modes,
         }),
         Task::Bundle => bundle(),
         Task::PortableCupti { release } => portable::build(release).map(|_| ()),

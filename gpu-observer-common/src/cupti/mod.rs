@@ -31,14 +31,20 @@ pub const CONTROL_SYMBOL: &str = "gpu_observer_cupti_control";
 pub const MEMFD_NAME: &str = "gpu-observer-cupti";
 
 /// Values of [`CONTROL_SYMBOL`]. A library loaded through `CUDA_INJECTION64_PATH` collects
-/// whenever an observer is attached and ignores the word; one injected late collects only
-/// while an observer is attached *and* the word is [`control::ON`], so that attaching without
-/// `--gpu-timing` never turns CUPTI on in a process that did not ask for it.
+/// whenever an observer is attached unless the word is [`control::PAUSE`]; one injected late
+/// collects only while an observer is attached *and* the word is [`control::ON`], so that
+/// attaching without `--gpu-timing` never turns CUPTI on in a process that did not ask for it.
+/// A library that sees no observer attached sets `PAUSE` back to `OFF` itself, so an observer
+/// killed between two capture windows leaves no process paused for the next one.
 pub mod control {
-    /// Not collecting (the state after injection and after a withdraw).
+    /// The initial word: a library loaded at start collects while observed, one injected late
+    /// does not (the state after injection and after a withdraw).
     pub const OFF: u32 = 0;
     /// Collect while an observer is attached.
     pub const ON: u32 = 1;
+    /// Fleet mode between capture windows: collect nothing, whichever way the library came
+    /// (CUPTI's own cost is paid only in the windows; docs/DESIGN.md "Fleet mode").
+    pub const PAUSE: u32 = 2;
 }
 
 /// Records per hook call; the eBPF program copies at most this many.

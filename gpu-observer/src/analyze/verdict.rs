@@ -158,6 +158,12 @@ pub struct Evidence {
     pub capture_fraction: Option<f64>,
     /// With `capture_fraction`: the relative error of those rates at 95 %.
     pub estimate_error: Option<f64>,
+    /// With `capture_fraction`: the share of the busiest launching thread's captured time
+    /// the probes themselves took (measured; `None` when not).
+    pub probe_share: Option<f64>,
+    /// The estimates were scaled by the captured time less the probes' share: the process
+    /// is host-paced ([`host_paced`]), so the probes slowed it while captured.
+    pub probe_corrected: bool,
     /// Records of the process the ring buffer had no room for in the window: the evidence is
     /// partial (the counts are low by at least that much).
     pub dropped: u64,
@@ -249,6 +255,15 @@ pub mod limits {
     /// The host counts as CPU-busy (not waiting) when the process ran at least this fraction
     /// of the window on CPUs, summed over its threads: half a core.
     pub const HOST_CPU_BUSY: f64 = 0.50;
+}
+
+/// Whether the host paces the work, so that time the probes add to the launching thread
+/// is added to the work's (fleet mode's estimates take it out, analyze/estimate.rs): the
+/// GPU, measured, is not the bottleneck (below `GPU_BOUND_BUSY`) and the busiest launching
+/// thread is saturated (`LAUNCH_BOUND_THREAD_CPU` of the window, `thread_share`). When the
+/// GPU paces it, the probes' time comes out of the thread's waiting.
+pub fn host_paced(gpu_busy: Option<f64>, thread_share: f64) -> bool {
+    gpu_busy.is_some_and(|b| b < limits::GPU_BOUND_BUSY) && thread_share >= limits::LAUNCH_BOUND_THREAD_CPU
 }
 
 /// A rule: its class and whether it holds for the evidence.
@@ -376,6 +391,12 @@ impl Verdict {
                 f * 100.0,
                 err * 100.0
             ));
+            if let (Some(p), true) = (e.probe_share, e.probe_corrected) {
+                parts.push(format!(
+                    "corrected for the probes' {:.0}% of the launching thread",
+                    p * 100.0
+                ));
+            }
         }
         if e.dropped > 0 {
             parts.push(format!("evidence partial: {} records dropped", e.dropped));

@@ -9,10 +9,10 @@ use std::{
 };
 
 use super::{
-    estimate::{self, CaptureLog},
+    estimate::{self, CaptureLog, Captured},
     findings::{Noted, worse},
     gpu_time::{GpuTime, Holder, Published},
-    verdict::{BusySource, Class, Evidence, TopKernel, Verdict, classify},
+    verdict::{self, BusySource, Class, Evidence, TopKernel, Verdict, classify},
 };
 use crate::{correlate::Amount, procinfo::ProcInfo, snapshot::Snapshot};
 
@@ -105,9 +105,10 @@ fn top_kernels(a: &Sample, b: &Sample) -> Vec<TopKernel> {
 /// from its first reading (`first_read`: when, and how much) if that came after `a` — the CPU
 /// time it had before then is not known and not counted — and not at all otherwise (it was
 /// read before `a`, so its time before the window would be counted).
-/// `captured_ns`: fleet mode's captured time between the two (analyze/estimate.rs); the
-/// counts the windowed probes feed are scaled by it.
-fn between(a: &Sample, b: &Sample, first_read: &HashMap<u32, (u64, u64)>, captured_ns: Option<u64>) -> Evidence {
+/// `captured`: fleet mode's capture of the process between the two (analyze/estimate.rs);
+/// the counts the windowed probes feed are scaled by it — by the captured time less the
+/// probes' own time when the process is host-paced (`verdict::host_paced`).
+fn between(a: &Sample, b: &Sample, first_read: &HashMap<u32, (u64, u64)>, captured: Option<Captured>) -> Evidence {
     let launch_thread_cpu_ns = b
         .threads
         .iter()
@@ -150,13 +151,22 @@ fn between(a: &Sample, b: &Sample, first_read: &HashMap<u32, (u64, u64)>, captur
         }
         (None, None, None) => (None, BusySource::None),
     };
-    let partial = captured_ns.filter(|c| *c < window_ns);
-    let est = |n: u64| partial.map_or(n, |c| estimate::scale(n, c, window_ns));
+    let partial = captured.filter(|c| c.ns < window_ns);
+    let probe_share = partial.and_then(|c| Some(c.probe_ns? as f64 / c.ns.max(1) as f64));
+    let paced = verdict::host_paced(gpu_busy, launch_thread_cpu_ns as f64 / window_ns.max(1) as f64);
+    // The time the captured work would have taken without the probes.
+    let free_ns = partial.map(|c| match c.probe_ns {
+        Some(p) if paced => c.ns.saturating_sub(p).max(1),
+        _ => c.ns,
+    });
+    let est = |n: u64| free_ns.map_or(n, |c| estimate::scale(n, c, window_ns));
     let calls_seen = b.calls.saturating_sub(a.calls);
     Evidence {
         window_ns,
-        capture_fraction: partial.map(|c| c as f64 / window_ns.max(1) as f64),
-        estimate_error: partial.map(|_| estimate::error_bound(calls_seen)),
+        capture_fraction: partial.map(|c| c.ns as f64 / window_ns.max(1) as f64),
+        estimate_error: partial.map(|c| estimate::error_bound(calls_seen, &c)),
+        probe_share,
+        probe_corrected: paced && partial.is_some_and(|c| c.probe_ns.is_some()),
         dropped: b.dropped.saturating_sub(a.dropped),
         busy_source,
         calls: est(calls_seen),
@@ -348,9 +358,9 @@ impl Tracker {
             let captured = self
                 .capture
                 .as_ref()
-                .map(|l| l.captured(t.recent.front().map_or(now_ns, |o| o.at_ns), now_ns));
+                .map(|l| l.captured(p.pid, t.recent.front().map_or(now_ns, |o| o.at_ns), now_ns));
             if let Some(oldest) = t.recent.front()
-                && captured != Some(0)
+                && captured.is_none_or(|c| c.ns > 0)
             {
                 let mut e = between(oldest, &sample, &t.first_read, captured);
                 e.worst_anomaly = findings.and_then(|f| f.worst_after(oldest.anomalies)).cloned();
@@ -369,8 +379,8 @@ impl Tracker {
     pub fn whole_run(&self, pid: u32) -> Option<Verdict> {
         let t = self.procs.get(&pid)?;
         let (first, last) = (t.first.as_ref()?, t.recent.back()?);
-        let captured = self.capture.as_ref().map(|l| l.captured(first.at_ns, last.at_ns));
-        (last.at_ns > first.at_ns && captured != Some(0)).then(|| {
+        let captured = self.capture.as_ref().map(|l| l.captured(pid, first.at_ns, last.at_ns));
+        (last.at_ns > first.at_ns && captured.is_none_or(|c| c.ns > 0)).then(|| {
             let mut e = between(first, last, &t.first_read, captured);
             e.worst_anomaly = t.worst_anomaly.clone();
             classify(e)

@@ -85,9 +85,12 @@ pub struct WindowChange {
     pub failed: usize,
     /// Time it took, from the first link to the last (closing waits for RCU grace periods).
     pub took_us: u64,
-    /// When the launch probes came on (open: their last link attached) or went off (close:
-    /// their last link closed; the return probes go a grace period later), CLOCK_MONOTONIC.
+    /// When the windowed entries began (open: the gate opened after their last link was
+    /// attached) or stopped recording (close: the gate closed before their first link was),
+    /// CLOCK_MONOTONIC. Returns of calls entered before it still record.
     pub at_ns: u64,
+    /// The gate was written (a failed open records nothing: not a captured window).
+    pub gated: bool,
 }
 
 /// Which processes are observed.
@@ -385,7 +388,8 @@ impl Probes {
             let g = &mut groups[i];
             g.apis.push(p.name);
             g.offsets.push(p.offset);
-            g.cookies.push(api::cookie(p.id));
+            let gate = if p.windowed { api::Flags::WINDOWED } else { 0 };
+            g.cookies.push(api::cookie(p.id) | u64::from(gate));
         }
         let (windowed, groups): (Vec<LinkGroup>, Vec<LinkGroup>) = groups.into_iter().partition(|g| g.windowed);
         let mut failed: std::collections::HashSet<&'static str> = std::collections::HashSet::new();
@@ -431,6 +435,12 @@ impl Probes {
         }
         self.window_open = open;
         let Some(multi) = &self.multi else { return change };
+        // The gate (`config::WINDOW_OPEN`) opens after every link is attached and closes before
+        // any is closed; its open is stamped before the write and its close after, and the
+        // programs look at it on both sides of their timestamp (emit.rs `enter_probe`): the
+        // windowed entries record exactly between the two timestamps,
+        // while attaching and closing (milliseconds, and an RCU grace period per link) only
+        // cost traps. A failed gate write leaves the window closed: nothing recorded.
         if open {
             for f in self.attached.values_mut() {
                 if let Some(w) = &mut f.windowed {
@@ -441,7 +451,10 @@ impl Probes {
                 }
             }
             change.at_ns = crate::clock::monotonic_ns();
+            change.gated = self.set_config(config::WINDOW_OPEN, 1).is_ok();
         } else {
+            change.gated = self.set_config(config::WINDOW_OPEN, 0).is_ok();
+            change.at_ns = crate::clock::monotonic_ns();
             let (mut entries, mut returns) = (Vec::new(), Vec::new());
             for f in self.attached.values_mut() {
                 if let Some(w) = &mut f.windowed {
@@ -452,7 +465,6 @@ impl Probes {
             }
             change.links = entries.len() + returns.len();
             close_all(entries);
-            change.at_ns = crate::clock::monotonic_ns();
             close_all(returns);
         }
         change.took_us = start.elapsed().as_micros() as u64;
@@ -548,8 +560,12 @@ impl Probes {
 
     /// Stops every program (they return at their first instruction) without detaching.
     pub fn disable(&mut self) -> Result<()> {
+        self.set_config(config::DISABLED, 1)
+    }
+
+    fn set_config(&mut self, slot: u32, value: u32) -> Result<()> {
         let mut cfg: Array<_, u32> = Array::try_from(map_mut(&mut self.ebpf, names::CONFIG)?)?;
-        cfg.set(config::DISABLED, 1, 0)?;
+        cfg.set(slot, value, 0)?;
         Ok(())
     }
 

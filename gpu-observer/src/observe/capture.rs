@@ -6,21 +6,43 @@
 //! next window's length follows the call rates measured in the last one.
 //!
 //! Every edge is written to the capture log the verdicts scale their counts by
-//! (analyze/estimate.rs) and as a `capture` line.
+//! (analyze/estimate.rs) and as a `capture` line. At each edge the launching threads' system
+//! time is read ([`ProbeClock`]): what the probes cost them in the window, which sizes the
+//! next window under a budget and corrects the estimates of a host-paced process.
 
-use std::time::Duration;
+use std::{collections::HashMap, time::Duration};
 
-use crate::{analyze::estimate::CaptureLog, clock::monotonic_ns, snapshot::Snapshot};
+use gpu_observer_common::cupti::{CuptiState, control};
+
+use crate::{analyze::estimate::CaptureLog, clock::monotonic_ns, procinfo::ProcInfo, snapshot::Snapshot};
 
 /// The shortest window: shorter ones cost more in attaching than they see.
 const MIN_WINDOW: Duration = Duration::from_millis(50);
 /// Most of a period a budget may give the windows.
 const MAX_DUTY: f64 = 0.9;
-/// What one probed call costs its thread, for the budget: the uprobe trap and the program, as
-/// measured on the H100's driver (docs/DESIGN.md "Measured costs": entry 1.3–1.9 µs, entry
-/// and return 3.2–3.9 µs; the upper ends).
-const ENTRY_NS: f64 = 1_900.0;
-const ENTRY_RETURN_NS: f64 = 3_900.0;
+/// Launching threads whose system time is read per process at an edge (the most launching).
+const THREADS_READ: usize = 4;
+/// Processes whose threads are read at an edge (the snapshot's first).
+const PROCS_READ: usize = 1024;
+/// How long before a window closes CUPTI is paused in it: the library looks at its control
+/// word every 100 ms and then flushes, so its last records are of launches the still-open
+/// gate recorded (a record of a launch after the gate would join nothing).
+const CUPTI_LEAD: Duration = Duration::from_millis(200);
+
+/// Processes whose CUPTI is switched at an edge (each write reads the process's maps and the
+/// library's symbols).
+const CUPTI_PROCS: usize = 256;
+
+/// What the next edge does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Attach the windowed probes, open the gate, switch CUPTI on.
+    Open,
+    /// Pause CUPTI in the processes with the injection library ([`CUPTI_LEAD`] before the close).
+    PauseCupti,
+    /// Close the gate and the windowed probes.
+    Close,
+}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Config {
@@ -44,6 +66,9 @@ pub struct Edge {
     pub period_ns: u64,
     /// Captured share of the time since the first window opened.
     pub fraction: f64,
+    /// Processes whose CUPTI collection was switched on (open) or paused (close: by the pause
+    /// step before it).
+    pub cupti: usize,
 }
 
 /// The schedule.
@@ -58,8 +83,13 @@ pub struct Capture {
     next_open: bool,
     /// When the open window opened.
     opened_ns: u64,
-    /// Per process, the cost of its calls at the window's open (for the budget).
-    cost_at_open: Costs,
+    /// CUPTI follows the windows (the injection library is in use): when the open window
+    /// pauses it.
+    cupti: bool,
+    cupti_pause_ns: Option<u64>,
+    /// Processes the last pause step paused.
+    cupti_paused: usize,
+    probes: ProbeClock,
     rng: u64,
 }
 
@@ -74,26 +104,56 @@ impl Capture {
             next_ns: now_ns,
             next_open: true,
             opened_ns: 0,
-            cost_at_open: Default::default(),
+            cupti: false,
+            cupti_pause_ns: None,
+            cupti_paused: 0,
+            probes: ProbeClock::default(),
             rng: seed | 1,
         };
         c.schedule_open();
         c
     }
 
+    /// CUPTI collection follows the windows: each window pauses it [`CUPTI_LEAD`] before
+    /// it closes (at half the window if that is shorter).
+    pub fn with_cupti(mut self, on: bool) -> Self {
+        self.cupti = on;
+        self
+    }
+
     /// When the next edge is due, on the monotonic clock.
     pub fn next_ns(&self) -> u64 {
-        self.next_ns
+        self.cupti_pause_ns.unwrap_or(self.next_ns)
     }
 
     /// How long from now until the next edge.
     pub fn until_next(&self) -> Duration {
-        Duration::from_nanos(self.next_ns.saturating_sub(monotonic_ns()))
+        Duration::from_nanos(self.next_ns().saturating_sub(monotonic_ns()))
     }
 
-    /// Whether the next edge opens a window.
-    pub fn next_is_open(&self) -> bool {
-        self.next_open
+    /// What the next edge does.
+    pub fn next_step(&self) -> Step {
+        match (self.next_open, self.cupti_pause_ns) {
+            (true, _) => Step::Open,
+            (false, Some(_)) => Step::PauseCupti,
+            (false, None) => Step::Close,
+        }
+    }
+
+    /// Whether a window is open (its gate, not CUPTI).
+    pub fn is_open(&self) -> bool {
+        !self.next_open
+    }
+
+    /// Whether CUPTI collection follows the windows.
+    pub fn cupti(&self) -> bool {
+        self.cupti
+    }
+
+    /// The CUPTI pause that was due has been made, in `n` processes.
+    pub fn cupti_paused(&mut self, n: usize) {
+        self.cupti_pause_ns = None;
+        self.cupti_paused = n;
     }
 
     fn random(&mut self) -> f64 {
@@ -111,29 +171,43 @@ impl Capture {
         self.next_open = true;
     }
 
-    /// The edge that was due has been made (the probes attached or closed at `now_ns`): writes
-    /// it into `log` and schedules the next. `costs`: [`costs`] of the latest snapshot, for
-    /// the budget.
+    /// The edge that was due has been made (the probes attached or closed, the gate switched
+    /// at `now_ns`): reads the launching threads' system time, writes the edge into `log` and
+    /// schedules the next. `snap`: the latest snapshot (its processes and launch counters).
     pub fn made(
         &mut self,
         now_ns: u64,
-        costs: Costs,
+        snap: &Snapshot,
+        procinfo: &ProcInfo,
         change: crate::attach::WindowChange,
         log: &mut CaptureLog,
     ) -> Edge {
         let open = self.next_open;
         let window_ns = self.window_ns;
         if open {
-            log.open(now_ns);
+            // A gate that could not be opened recorded nothing: not a captured window.
+            if change.gated {
+                let launches: Vec<(u32, u64)> = live(snap).map(|p| (p.pid, p.stats.launches)).collect();
+                log.open(now_ns, &launches);
+                self.probes.open(now_ns, snap, procinfo);
+            }
             self.opened_ns = now_ns;
-            self.cost_at_open = costs;
             self.next_ns = now_ns + self.window_ns;
             self.next_open = false;
+            let lead = CUPTI_LEAD.as_nanos() as u64;
+            self.cupti_pause_ns = self
+                .cupti
+                .then(|| now_ns + self.window_ns.saturating_sub(lead).max(self.window_ns / 2));
         } else {
-            log.close(now_ns);
+            self.cupti_pause_ns = None;
+            let probes = self.probes.close(now_ns, snap, procinfo);
+            log.close(now_ns, &probes);
             let seen = now_ns.saturating_sub(self.opened_ns);
-            if let Some(pct) = self.cfg.budget_pct {
-                self.window_ns = self.budgeted(pct, seen, &costs);
+            if let Some(pct) = self.cfg.budget_pct
+                && !probes.is_empty()
+            {
+                let worst = probes.iter().map(|p| p.1).max().unwrap_or(0);
+                self.window_ns = self.budgeted(pct, worst as f64 / seen.max(1) as f64);
             }
             self.period_start += self.period_ns;
             // A late edge (a stalled agent) skips the periods it missed.
@@ -152,18 +226,19 @@ impl Capture {
             window_ns,
             period_ns: self.period_ns,
             fraction: log.fraction(now_ns),
+            cupti: if open {
+                0
+            } else {
+                std::mem::take(&mut self.cupti_paused)
+            },
         }
     }
 
-    /// The next window's length under a budget of `pct` percent: the busiest process's probe
-    /// cost per second of window, measured over the window that closed (`seen_ns` long),
-    /// gives the share of each period the windows may take.
-    fn budgeted(&self, pct: f64, seen_ns: u64, now: &Costs) -> u64 {
-        let worst = now
-            .iter()
-            .map(|(pid, c)| c - self.cost_at_open.get(pid).copied().unwrap_or(0.0))
-            .fold(0.0f64, f64::max);
-        let load = worst / seen_ns.max(1) as f64; // the share of a thread's time the probes took
+    /// The next window's length under a budget of `pct` percent: `load`, the largest share
+    /// of a launching thread's time the probes took in the window that closed (measured),
+    /// gives the share of each period the windows may take. Until a window is measured (a
+    /// process's first) the length stays.
+    fn budgeted(&self, pct: f64, load: f64) -> u64 {
         let duty = if load <= 0.0 {
             MAX_DUTY
         } else {
@@ -173,22 +248,147 @@ impl Capture {
     }
 }
 
-/// Per process, what its probed calls so far cost it (ns).
-pub type Costs = std::collections::HashMap<u32, f64>;
+/// Fleet mode's switch of CUPTI collection (docs/DESIGN.md "Fleet mode"): the injection
+/// library's control word ([`control`]) written into each process that has it — `ON` when a
+/// window opens, `PAUSE` before it closes and, between windows, into a process whose library
+/// started collecting (a new one) — so CUPTI's own cost is paid only in the windows, not just
+/// its forwarding. A library injected late (`--gpu-timing`) is switched on only where that
+/// switched it on.
+#[derive(Default)]
+pub struct CuptiSwitch {
+    /// The word last written into each process.
+    written: HashMap<u32, u32>,
+    /// Writes that failed (the process gone, its memory not writable): counted, not retried
+    /// until the next edge.
+    pub failed: u64,
+}
 
-/// Each live process's probed calls so far, weighed by what their probes cost.
-pub fn costs(snap: &Snapshot) -> Costs {
-    snap.procs
-        .iter()
-        .filter(|p| !p.exited)
-        .map(|p| {
-            let calls: u64 = p.stats.call_apis.values().sum();
-            (
+impl CuptiSwitch {
+    /// At an edge: `on` writes `ON` into every live process with a working library, else
+    /// `PAUSE`. `late_on(pid)`: whether `--gpu-timing` switched a late library on. Returns
+    /// how many were written.
+    pub fn edge(&mut self, snap: &Snapshot, on: bool, late_on: impl Fn(u32) -> bool) -> usize {
+        let word = if on { control::ON } else { control::PAUSE };
+        if on {
+            self.written
+                .retain(|pid, _| snap.procs.iter().any(|p| p.pid == *pid && !p.exited));
+        }
+        let targets: Vec<u32> = with_library(snap)
+            .filter(|(pid, injected, _)| !injected || late_on(*pid))
+            .map(|(pid, ..)| pid)
+            .collect();
+        targets.into_iter().filter(|&pid| self.write(pid, word)).count()
+    }
+
+    /// Between windows: pauses a library that reports collecting and was not paused since the
+    /// last window (a process that came in between).
+    pub fn between(&mut self, snap: &Snapshot) -> usize {
+        let targets: Vec<u32> = with_library(snap)
+            .filter(|(pid, _, active)| *active && self.written.get(pid) != Some(&control::PAUSE))
+            .map(|(pid, ..)| pid)
+            .collect();
+        targets
+            .into_iter()
+            .filter(|&pid| self.write(pid, control::PAUSE))
+            .count()
+    }
+
+    fn write(&mut self, pid: u32, word: u32) -> bool {
+        match crate::attach::inject::set_control(pid, word) {
+            Ok(()) => {
+                self.written.insert(pid, word);
+                true
+            }
+            Err(_) => {
+                self.failed += 1;
+                self.written.remove(&pid);
+                false
+            }
+        }
+    }
+}
+
+/// Live processes whose injection library reported a working CUPTI (at most
+/// [`CUPTI_PROCS`]): (pid, injected late, collecting now).
+fn with_library(snap: &Snapshot) -> impl Iterator<Item = (u32, bool, bool)> + '_ {
+    live(snap)
+        .filter_map(|p| {
+            let s = &p.gpu.as_ref()?.status;
+            matches!(s.state, Some(CuptiState::Active | CuptiState::Idle)).then_some((
                 p.pid,
-                p.stats.launches as f64 * ENTRY_NS + calls as f64 * ENTRY_RETURN_NS,
-            )
+                s.injected,
+                s.state == Some(CuptiState::Active),
+            ))
         })
-        .collect()
+        .take(CUPTI_PROCS)
+}
+
+fn live(snap: &Snapshot) -> impl Iterator<Item = &crate::snapshot::ProcessView> {
+    snap.procs.iter().map(|p| &**p).filter(|p| !p.exited).take(PROCS_READ)
+}
+
+/// The probes' time on the launching threads, from their system time: a uprobe's trap and
+/// program run in the kernel and are charged to the thread as system time (measured: a
+/// launch loop under the probes ran 87 % system, without them 0 %; docs/DESIGN.md "Fleet
+/// mode"). What a thread's system time grows in a window beyond its rate between windows
+/// (its own system calls) is the probes'. A thread is measured from its second window on:
+/// its first gives the baseline's start.
+#[derive(Default)]
+struct ProbeClock {
+    /// (pid, tid) → (when, system ns) at the last close, and at the open window's open.
+    closed: HashMap<(u32, u32), (u64, u64)>,
+    opened: HashMap<(u32, u32), (u64, u64)>,
+}
+
+impl ProbeClock {
+    /// Each live process's most launching threads.
+    fn threads(snap: &Snapshot) -> impl Iterator<Item = (u32, u32)> + '_ {
+        live(snap).flat_map(|p| {
+            let mut tids: Vec<(u32, u64)> = p.stats.launch_tids.iter().map(|(t, n)| (*t, *n)).collect();
+            tids.sort_by_key(|t| std::cmp::Reverse(t.1));
+            tids.into_iter().take(THREADS_READ).map(move |(t, _)| (p.pid, t))
+        })
+    }
+
+    fn open(&mut self, now_ns: u64, snap: &Snapshot, procinfo: &ProcInfo) {
+        self.opened = Self::threads(snap)
+            .filter(|k| self.closed.contains_key(k))
+            .filter_map(|(pid, tid)| Some(((pid, tid), (now_ns, procinfo.thread_sys_ns(pid, tid)?))))
+            .collect();
+    }
+
+    /// Per process measured, the probes' time on its busiest launching thread in the window
+    /// that closes at `now_ns`.
+    fn close(&mut self, now_ns: u64, snap: &Snapshot, procinfo: &ProcInfo) -> Vec<(u32, u64)> {
+        let mut probes: HashMap<u32, u64> = HashMap::new();
+        let mut closed = HashMap::new();
+        for ((pid, tid), (t_open, s_open)) in self.opened.drain() {
+            let Some(s_close) = procinfo.thread_sys_ns(pid, tid) else {
+                continue;
+            };
+            closed.insert((pid, tid), (now_ns, s_close));
+            let Some(&(t_prev, s_prev)) = self.closed.get(&(pid, tid)) else {
+                continue;
+            };
+            let base = s_open.saturating_sub(s_prev) as f64 / t_open.saturating_sub(t_prev).max(1) as f64;
+            let own = base * now_ns.saturating_sub(t_open) as f64;
+            let probe = (s_close.saturating_sub(s_open) as f64 - own).max(0.0) as u64;
+            let e = probes.entry(pid).or_default();
+            *e = (*e).max(probe);
+        }
+        // Threads first seen launching in this window start their baseline now.
+        for k in Self::threads(snap).collect::<Vec<_>>() {
+            if let std::collections::hash_map::Entry::Vacant(v) = closed.entry(k)
+                && let Some(s) = procinfo.thread_sys_ns(k.0, k.1)
+            {
+                v.insert((now_ns, s));
+            }
+        }
+        self.closed = closed;
+        let mut v: Vec<(u32, u64)> = probes.into_iter().collect();
+        v.sort_unstable();
+        v
+    }
 }
 
 #[cfg(test)]
@@ -207,16 +407,18 @@ mod tests {
     fn one_window_per_period_at_a_random_point_that_leaves_it_room() {
         let mut c = Capture::new(cfg(1000, 10_000, None), 0);
         let mut log = CaptureLog::new(0);
+        use crate::export::dashboard::testing::{nvml_view, snapshot};
+        let (snap, procinfo) = (snapshot(1, 0, Vec::new(), nvml_view(Vec::new())), ProcInfo::host());
         let mut starts = Vec::new();
         for k in 0..50u64 {
-            assert!(c.next_is_open());
+            assert_eq!(c.next_step(), Step::Open);
             let open = c.next_ns();
             assert!(open >= k * 10_000_000_000 && open + 1_000_000_000 <= (k + 1) * 10_000_000_000);
             starts.push(open - k * 10_000_000_000);
-            let e = c.made(open, Costs::new(), Default::default(), &mut log);
+            let e = c.made(open, &snap, &procinfo, gated(), &mut log);
             assert!(e.open);
             assert_eq!(c.next_ns(), open + 1_000_000_000);
-            let e = c.made(c.next_ns(), Costs::new(), Default::default(), &mut log);
+            let e = c.made(c.next_ns(), &snap, &procinfo, gated(), &mut log);
             assert!(!e.open);
         }
         // Jittered: the starts spread over the period's room.
@@ -228,16 +430,47 @@ mod tests {
     }
 
     #[test]
-    fn a_budget_sizes_the_window_from_the_measured_call_rate() {
-        // No calls: the most a budget gives.
+    fn cupti_is_paused_before_each_window_closes() {
+        use crate::export::dashboard::testing::{nvml_view, snapshot};
+        let (snap, procinfo) = (snapshot(1, 0, Vec::new(), nvml_view(Vec::new())), ProcInfo::host());
+        let mut log = CaptureLog::new(0);
+        for (window_ms, pause_after_ms) in [(1000, 800), (300, 150), (100, 50)] {
+            let mut c = Capture::new(cfg(window_ms, 10_000, None), 0).with_cupti(true);
+            let open = c.next_ns();
+            c.made(open, &snap, &procinfo, gated(), &mut log);
+            assert_eq!(c.next_step(), Step::PauseCupti);
+            assert_eq!(c.next_ns(), open + pause_after_ms * 1_000_000, "{window_ms} ms window");
+            c.cupti_paused(1);
+            assert_eq!(
+                (c.next_step(), c.next_ns()),
+                (Step::Close, open + window_ms * 1_000_000)
+            );
+            c.made(c.next_ns(), &snap, &procinfo, gated(), &mut log);
+            assert_eq!(c.next_step(), Step::Open);
+        }
+        // Without the injection library in use there is no pause step.
+        let mut c = Capture::new(cfg(1000, 10_000, None), 0);
+        c.made(c.next_ns(), &snap, &procinfo, gated(), &mut log);
+        assert_eq!(c.next_step(), Step::Close);
+    }
+
+    #[test]
+    fn a_budget_sizes_the_window_from_the_measured_probe_share() {
         let c = Capture::new(cfg(1000, 10_000, Some(2.0)), 0);
-        assert_eq!(c.budgeted(2.0, 1_000_000_000, &Costs::new()), 9_000_000_000);
-        // 100 000 launches in a 1 s window: 19 % of a thread while captured; a 2 % budget
-        // allows about a tenth of the period.
-        let mut c = Capture::new(cfg(1000, 10_000, Some(2.0)), 0);
-        c.cost_at_open = [(7u32, 0.0)].into();
-        let now: Costs = [(7u32, 100_000.0 * ENTRY_NS)].into();
-        let w = c.budgeted(2.0, 1_000_000_000, &now);
+        // Nothing measured: the most a budget gives.
+        assert_eq!(c.budgeted(2.0, 0.0), 9_000_000_000);
+        // The probes took 19 % of a thread while captured: a 2 % budget allows about a
+        // tenth of the period.
+        let w = c.budgeted(2.0, 0.19);
         assert!((w as f64 - 1_052_631_578.0).abs() < 1e3, "{w}");
+        // Never below the shortest window.
+        assert_eq!(c.budgeted(2.0, 100.0), MIN_WINDOW.as_nanos() as u64);
+    }
+
+    fn gated() -> crate::attach::WindowChange {
+        crate::attach::WindowChange {
+            gated: true,
+            ..Default::default()
+        }
     }
 }

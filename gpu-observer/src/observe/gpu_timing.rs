@@ -10,7 +10,7 @@ use std::{
 };
 
 use anyhow::{Result, bail};
-use gpu_observer_common::cupti::CuptiState;
+use gpu_observer_common::cupti::{CuptiState, control};
 
 use super::Run;
 use crate::{
@@ -76,6 +76,11 @@ impl GpuTiming {
             until: None,
             withdrawn: false,
         }))
+    }
+
+    /// Whether it switched the library in `pid` on (fleet mode switches only those).
+    pub(super) fn is_on(&self, pid: u32) -> bool {
+        !self.withdrawn && self.on.contains(&pid)
     }
 
     /// Starts injections into the processes found mapping libcuda (once each).
@@ -192,7 +197,7 @@ impl Run {
         for pid in busy {
             g.busy.insert(pid);
             g.on.remove(&pid);
-            let _ = inject::set_control(pid, false);
+            let _ = inject::set_control(pid, control::OFF);
             self.refused(
                 pid,
                 Reason::CuptiBusy,
@@ -215,7 +220,7 @@ impl Run {
             ));
             return false;
         }
-        match inject::set_control(pid, true) {
+        match inject::set_control(pid, control::ON) {
             Ok(()) => {
                 g.on.insert(pid);
                 if g.until.is_none() {
@@ -254,7 +259,7 @@ impl Run {
         let on: Vec<u32> = std::mem::take(&mut g.on).into_iter().collect();
         let mut waiting = Vec::new();
         for &pid in &on {
-            match inject::set_control(pid, false) {
+            match inject::set_control(pid, control::OFF) {
                 Ok(()) => waiting.push(pid),
                 Err(e) => say(format_args!("warning: GPU timing: {e}")),
             }

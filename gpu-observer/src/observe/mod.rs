@@ -77,8 +77,9 @@ struct Run {
     verdict_written: std::collections::HashMap<u32, (u64, crate::analyze::verdict::Class)>,
     /// `--gpu-timing`: injections, and the processes switched on.
     gpu_timing: Option<gpu_timing::GpuTiming>,
-    /// Fleet mode's capture windows.
+    /// Fleet mode's capture windows, and its switch of CUPTI collection.
     capture: Option<capture::Capture>,
+    cupti_switch: capture::CuptiSwitch,
 }
 
 /// Why watching ended.
@@ -138,14 +139,31 @@ impl Run {
         let (Some(c), Some(log)) = (self.capture.as_mut(), self.tracker.capture.as_mut()) else {
             return;
         };
-        let open = c.next_is_open();
+        let step = c.next_step();
+        let snap = self.snapshots.load();
+        let gpu_timing = self.gpu_timing.as_ref();
+        let late_on = |pid| gpu_timing.is_some_and(|g| g.is_on(pid));
+        if step == capture::Step::PauseCupti {
+            let n = self.cupti_switch.edge(&snap, false, late_on);
+            c.cupti_paused(n);
+            return;
+        }
+        let open = step == capture::Step::Open;
         let change = self.at.probes.set_window(open);
         let now = if change.at_ns > 0 {
             change.at_ns
         } else {
             crate::clock::monotonic_ns()
         };
-        let edge = c.made(now, capture::costs(&self.snapshots.load()), change, log);
+        if open && !change.gated {
+            say("warning: a capture window's gate could not be opened: that window records nothing");
+        }
+        let procinfo = crate::procinfo::ProcInfo::host();
+        let mut edge = c.made(now, &snap, &procinfo, change, log);
+        // CUPTI on after the gate: its first records are of launches the gate recorded.
+        if open && c.cupti() {
+            edge.cupti = self.cupti_switch.edge(&snap, true, late_on);
+        }
         self.reader.ask(Request::Capture(edge));
     }
 

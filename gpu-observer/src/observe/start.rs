@@ -88,6 +88,7 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
         Some(p) => Scope::Tree(p),
     };
     let capture = cli.capture().map_err(|e| anyhow::anyhow!(e))?;
+    let cupti_follows = !cli.no_cupti;
     let mut probes = Probes::load(cli.ring_buffer_size, scope, cli.perf_uprobes, capture.is_some())?;
     if cli.probes_floor {
         probes.disable()?;
@@ -263,8 +264,9 @@ pub(super) async fn start(cli: Cli) -> Result<Run> {
                     .map(|b| format!(" (adapted to a {b}% overhead budget)"))
                     .unwrap_or_default()
             ));
-            super::capture::Capture::new(c, crate::clock::monotonic_ns())
+            super::capture::Capture::new(c, crate::clock::monotonic_ns()).with_cupti(cupti_follows)
         }),
+        cupti_switch: Default::default(),
         verdicts: Default::default(),
         verdict_written: Default::default(),
         gpu_timing,

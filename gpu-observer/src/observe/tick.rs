@@ -70,6 +70,10 @@ impl Run {
         // Verdicts over the last window: shown live; written once a window, or when the class
         // changes.
         let snap = self.snapshots.load();
+        // Fleet mode between windows: a library that started collecting is paused.
+        if self.capture.as_ref().is_some_and(|c| c.cupti() && !c.is_open()) {
+            self.cupti_switch.between(&snap);
+        }
         let now = self.tracker.tick(&snap, &crate::procinfo::ProcInfo::host());
         let mut write = Vec::new();
         for v in now {

@@ -37,7 +37,14 @@ fn main() {
     println!("{line}");
     if let Some(word) = args.get(3)
         && result.is_ok()
-        && let Err(e) = inject::set_control(pid, word == "on")
+        && let Err(e) = inject::set_control(
+            pid,
+            if word == "on" {
+                gpu_observer_common::cupti::control::ON
+            } else {
+                gpu_observer_common::cupti::control::OFF
+            },
+        )
     {
         println!("{}", json!({"outcome": "control_failed", "message": e}));
         std::process::exit(1);

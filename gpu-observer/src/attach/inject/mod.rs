@@ -34,7 +34,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use gpu_observer_common::cupti::{self, control};
+use gpu_observer_common::cupti;
 
 use self::{
     code::{data, go, state},
@@ -730,10 +730,11 @@ fn open_memfd(pid: u32, fd: u32) -> Result<File, Refusal> {
         .map_err(|e| bad(e.to_string()))
 }
 
-/// Switches the GPU timing of an injected library on or off ([`control`]): its control word,
-/// found through the process's maps, written through `/proc/<pid>/mem`. Libraries loaded
-/// through `CUDA_INJECTION64_PATH` ignore the word (they collect whenever observed).
-pub fn set_control(pid: u32, on: bool) -> Result<(), String> {
+/// Writes `word` into a process's injection library: switches one injected late
+/// on or off, or pauses any between fleet mode's capture windows ([`cupti::control`]). The word is found through
+/// the process's maps (the bounded ELF reader, through `map_files`) and written through
+/// `/proc/<pid>/mem`.
+pub fn set_control(pid: u32, word: u32) -> Result<(), String> {
     let maps = target::maps(pid).map_err(|e| format!("pid {pid}: {e}"))?;
     let Some(m) = maps
         .iter()
@@ -747,7 +748,6 @@ pub fn set_control(pid: u32, on: bool) -> Result<(), String> {
         .get(cupti::CONTROL_SYMBOL)
         .and_then(|&off| target::address_of(&maps, m, off))
         .ok_or_else(|| format!("pid {pid}: the injection library has no {}", cupti::CONTROL_SYMBOL))?;
-    let word = if on { control::ON } else { control::OFF };
     File::options()
         .write(true)
         .open(format!("/proc/{pid}/mem"))

@@ -185,7 +185,7 @@ impl<W: Write> JsonlWriter<W> {
     pub fn capture(&mut self, e: &crate::observe::capture::Edge) -> io::Result<()> {
         writeln!(
             self.out,
-            "{{\"type\":\"capture\",\"ts_ns\":{},\"state\":\"{}\",\"links\":{},\"failed\":{},\"took_us\":{},\"window_ns\":{},\"period_ns\":{},\"capture_fraction\":{:.4}}}",
+            "{{\"type\":\"capture\",\"ts_ns\":{},\"state\":\"{}\",\"links\":{},\"failed\":{},\"took_us\":{},\"window_ns\":{},\"period_ns\":{},\"capture_fraction\":{:.4},\"cupti\":{}}}",
             e.ts_ns,
             if e.open { "open" } else { "closed" },
             e.links,
@@ -193,7 +193,8 @@ impl<W: Write> JsonlWriter<W> {
             e.took_us,
             e.window_ns,
             e.period_ns,
-            e.fraction
+            e.fraction,
+            e.cupti
         )
     }
 

@@ -76,10 +76,12 @@ fn verdict_fields<W: Write>(o: &mut W, v: &Verdict) -> io::Result<()> {
     opt_str(o, "secondary", v.secondary.map(|c| c.name()))?;
     write!(
         o,
-        ",\"window_ns\":{},\"capture_fraction\":{},\"estimate_error\":{},\"dropped\":{},\"partial\":{},\"evidence\":{{\"gpu_busy\":{}",
+        ",\"window_ns\":{},\"capture_fraction\":{},\"estimate_error\":{},\"probe_share\":{},\"probe_corrected\":{},\"dropped\":{},\"partial\":{},\"evidence\":{{\"gpu_busy\":{}",
         e.window_ns,
         OptNum(e.capture_fraction.map(|f| Decimals(f, 4))),
         OptNum(e.estimate_error.map(|f| Decimals(f, 4))),
+        OptNum(e.probe_share.map(|f| Decimals(f, 4))),
+        e.probe_corrected,
         e.dropped,
         e.dropped > 0,
         OptNum(e.gpu_busy().map(|b| Decimals(b, 4)))
