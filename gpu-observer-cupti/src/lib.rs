@@ -237,6 +237,8 @@ struct Injection {
     enabled: AtomicBool,
     /// Enabled through the per-API switches (else whole DRIVER/RUNTIME kinds).
     per_api: AtomicBool,
+    /// Collection was started once already (a later start uses whole API kinds).
+    started: AtomicBool,
     forwarded: AtomicU64,
     rate_limited: AtomicU64,
     cupti_dropped: AtomicU64,
@@ -355,6 +357,7 @@ fn init() -> Injection {
         result: AtomicU64::new(result as u64),
         enabled: AtomicBool::new(false),
         per_api: AtomicBool::new(false),
+        started: AtomicBool::new(false),
         forwarded: AtomicU64::new(0),
         rate_limited: AtomicU64::new(0),
         cupti_dropped: AtomicU64::new(0),
@@ -522,7 +525,12 @@ fn start(inj: &Injection) {
     if inj.enabled.load(Relaxed) || inj.state.load(Relaxed) == CuptiState::Failed as u64 {
         return;
     }
-    let mode = inj.cfg.api.unwrap_or(if LATE.load(Relaxed) {
+    // Per-API switches only at the process's first start: set after its contexts exist (a
+    // late load, or a restart after fleet mode's pause) CUPTI 13 on the H100 recorded no API
+    // call with them (docs/VALIDATION.md; a paused-and-resumed loop joined none of 117 834
+    // kernel records), and whole kinds always joined.
+    let restarted = inj.started.swap(true, Relaxed);
+    let mode = inj.cfg.api.unwrap_or(if LATE.load(Relaxed) || restarted {
         ApiMode::Kinds
     } else {
         ApiMode::PerApi

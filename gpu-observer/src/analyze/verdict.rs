@@ -259,11 +259,12 @@ pub mod limits {
 
 /// Whether the host paces the work, so that time the probes add to the launching thread
 /// is added to the work's (fleet mode's estimates take it out, analyze/estimate.rs): the
-/// GPU, measured, is not the bottleneck (below `GPU_BOUND_BUSY`) and the busiest launching
-/// thread is saturated (`LAUNCH_BOUND_THREAD_CPU` of the window, `thread_share`). When the
-/// GPU paces it, the probes' time comes out of the thread's waiting.
-pub fn host_paced(gpu_busy: Option<f64>, thread_share: f64) -> bool {
-    gpu_busy.is_some_and(|b| b < limits::GPU_BOUND_BUSY) && thread_share >= limits::LAUNCH_BOUND_THREAD_CPU
+/// GPU, measured, is not the bottleneck (below `GPU_BOUND_BUSY`) and the launching threads
+/// together are saturated (`LAUNCH_BOUND_THREAD_CPU` of the window, `threads_share`: their
+/// CPU time summed, since a step may pass from one launching thread to another and keep
+/// neither busy alone). When the GPU paces it, the probes' time comes out of the waiting.
+pub fn host_paced(gpu_busy: Option<f64>, threads_share: f64) -> bool {
+    gpu_busy.is_some_and(|b| b < limits::GPU_BOUND_BUSY) && threads_share >= limits::LAUNCH_BOUND_THREAD_CPU
 }
 
 /// A rule: its class and whether it holds for the evidence.

@@ -109,7 +109,7 @@ fn top_kernels(a: &Sample, b: &Sample) -> Vec<TopKernel> {
 /// the counts the windowed probes feed are scaled by it — by the captured time less the
 /// probes' own time when the process is host-paced (`verdict::host_paced`).
 fn between(a: &Sample, b: &Sample, first_read: &HashMap<u32, (u64, u64)>, captured: Option<Captured>) -> Evidence {
-    let launch_thread_cpu_ns = b
+    let thread_cpu: Vec<u64> = b
         .threads
         .iter()
         .filter_map(|(tid, now)| {
@@ -122,8 +122,8 @@ fn between(a: &Sample, b: &Sample, first_read: &HashMap<u32, (u64, u64)>, captur
             };
             now.checked_sub(then)
         })
-        .max()
-        .unwrap_or(0);
+        .collect();
+    let launch_thread_cpu_ns = thread_cpu.iter().copied().max().unwrap_or(0);
     let window_ns = b.at_ns.saturating_sub(a.at_ns);
     // CUPTI's exact busy time when the process has it; else, when the process had its GPUs to
     // itself, their utilization (NVML samples it every round); else the mean of NVML's
@@ -153,7 +153,10 @@ fn between(a: &Sample, b: &Sample, first_read: &HashMap<u32, (u64, u64)>, captur
     };
     let partial = captured.filter(|c| c.ns < window_ns);
     let probe_share = partial.and_then(|c| Some(c.probe_ns? as f64 / c.ns.max(1) as f64));
-    let paced = verdict::host_paced(gpu_busy, launch_thread_cpu_ns as f64 / window_ns.max(1) as f64);
+    // The launching threads together: a step handed from thread to thread (PyTorch's forward
+    // on the main thread, its backward on the autograd thread) keeps no single one busy.
+    let launching_cpu_ns: u64 = thread_cpu.iter().sum();
+    let paced = verdict::host_paced(gpu_busy, launching_cpu_ns as f64 / window_ns.max(1) as f64);
     // The time the captured work would have taken without the probes.
     let free_ns = partial.map(|c| match c.probe_ns {
         Some(p) if paced => c.ns.saturating_sub(p).max(1),
@@ -574,5 +577,38 @@ mod tests {
         assert_eq!(between(&a, &b, &first, None).launch_thread_cpu_ns, 800);
         let only_new = at(2_000, &[(11, 5_000), (12, 9_000)]);
         assert_eq!(between(&a, &only_new, &first, None).launch_thread_cpu_ns, 400);
+    }
+
+    #[test]
+    fn a_host_paced_process_is_scaled_by_its_captured_time_less_the_probes() {
+        const S: u64 = 1_000_000_000;
+        // 10 s; 1 000 launches seen in 1 s captured, of which the probes took 0.2 s of the
+        // busiest launching thread.
+        let sample = |at_ns, threads: &[(u32, u64)], launches, busy_pct: f64| Sample {
+            at_ns,
+            threads: threads.to_vec(),
+            launches,
+            nvml_device: (busy_pct, u64::from(at_ns > 0)),
+            ..Sample::default()
+        };
+        let captured = Captured {
+            ns: S,
+            probe_ns: Some(S / 5),
+            windows: 1,
+            spread: None,
+        };
+        let first: HashMap<u32, (u64, u64)> = [(10, (0, 0)), (11, (0, 0))].into();
+        let a = sample(0, &[(10, 0), (11, 0)], 0, 0.0);
+        let judge = |threads: &[(u32, u64)], busy| {
+            let e = between(&a, &sample(10 * S, threads, 1_000, busy), &first, Some(captured));
+            (e.launches, e.probe_corrected, e.probe_share)
+        };
+        // The step passes between two threads, 5 s and 4 s: together 90 % of the window, the
+        // GPU 30 % busy: host-paced, the launches scaled by 10 s / 0.8 s.
+        assert_eq!(judge(&[(10, 5 * S), (11, 4 * S)], 30.0), (12_500, true, Some(0.2)));
+        // 70 % together: the host waits too; scaled by the captured time alone.
+        assert_eq!(judge(&[(10, 4 * S), (11, 3 * S)], 30.0), (10_000, false, Some(0.2)));
+        // The GPU 80 % busy paces it.
+        assert_eq!(judge(&[(10, 5 * S), (11, 4 * S)], 80.0), (10_000, false, Some(0.2)));
     }
 }
