@@ -69,7 +69,7 @@ fn launches_only_in_capture_windows_allocations_exact_and_the_rate_estimated() {
         .collect();
     for ts in &launches {
         assert!(
-            windows.iter().any(|(a, b)| a <= ts && ts <= b),
+            inside(&windows, *ts),
             "a launch at {ts} outside every window {windows:?}"
         );
     }
@@ -282,10 +282,7 @@ fn cupti_collects_only_inside_the_capture_windows() {
     let kernels: Vec<_> = cap.of_type("gpu_kernel").filter(|g| g["pid"] == pid).collect();
     for g in &kernels {
         let at = g["launch_ts_ns"].as_u64().unwrap_or_else(|| panic!("{g} not joined"));
-        assert!(
-            windows.iter().any(|(a, b)| (*a..=*b).contains(&at)),
-            "{g} launched outside every window {windows:?}"
-        );
+        assert!(inside(&windows, at), "{g} launched outside every window {windows:?}");
     }
     let n = kernels.len() as u64;
     assert!(
@@ -295,6 +292,11 @@ fn cupti_collects_only_inside_the_capture_windows() {
     let s = cap.process_summary(pid);
     assert_eq!(s["cupti"]["unjoined"], 0, "{s}");
     assert_eq!(s["cupti"]["kernels"].as_u64(), Some(n), "{s}");
+}
+
+/// Whether `t` lies in one of the (open, close) windows.
+fn inside(windows: &[(u64, u64)], t: u64) -> bool {
+    windows.iter().any(|(a, b)| (*a..=*b).contains(&t))
 }
 
 fn monotonic_ns() -> u64 {

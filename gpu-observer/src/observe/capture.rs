@@ -256,10 +256,10 @@ impl Capture {
 /// switched it on.
 #[derive(Default)]
 pub struct CuptiSwitch {
-    /// The word last written into each process.
+    /// The word last written (or, when the write failed, tried) into each process.
     written: HashMap<u32, u32>,
-    /// Writes that failed (the process gone, its memory not writable): counted, not retried
-    /// until the next edge.
+    /// Writes that failed (the process gone, its memory not writable): counted (the run's
+    /// summary), not retried between windows — only at the next edge.
     pub failed: u64,
 }
 
@@ -271,7 +271,7 @@ impl CuptiSwitch {
         let word = if on { control::ON } else { control::PAUSE };
         if on {
             self.written
-                .retain(|pid, _| snap.procs.iter().any(|p| p.pid == *pid && !p.exited));
+                .retain(|pid, _| snap.process(*pid).is_some_and(|p| !p.exited));
         }
         let targets: Vec<u32> = with_library(snap)
             .filter(|(pid, injected, _)| !injected || late_on(*pid))
@@ -293,18 +293,15 @@ impl CuptiSwitch {
             .count()
     }
 
+    /// Writes `word` into `pid`, remembered either way: a process whose write fails (its
+    /// memory, its library are its own) is not read again at every tick between windows.
     fn write(&mut self, pid: u32, word: u32) -> bool {
-        match crate::attach::inject::set_control(pid, word) {
-            Ok(()) => {
-                self.written.insert(pid, word);
-                true
-            }
-            Err(_) => {
-                self.failed += 1;
-                self.written.remove(&pid);
-                false
-            }
+        self.written.insert(pid, word);
+        let ok = crate::attach::inject::set_control(pid, word).is_ok();
+        if !ok {
+            self.failed += 1;
         }
+        ok
     }
 }
 
@@ -377,7 +374,7 @@ impl ProbeClock {
             *e = (*e).max(probe);
         }
         // Threads first seen launching in this window start their baseline now.
-        for k in Self::threads(snap).collect::<Vec<_>>() {
+        for k in Self::threads(snap) {
             if let std::collections::hash_map::Entry::Vacant(v) = closed.entry(k)
                 && let Some(s) = procinfo.thread_sys_ns(k.0, k.1)
             {

@@ -68,6 +68,7 @@ pub(super) async fn shutdown(mut run: Run, end: End) -> Result<i32> {
         started,
         reader,
         tracker,
+        cupti_switch,
         ..
     } = run;
     let capture = tracker.capture.as_ref().map(|l| {
@@ -75,6 +76,7 @@ pub(super) async fn shutdown(mut run: Run, end: End) -> Result<i32> {
         serde_json::json!({
             "fraction": (l.fraction(now) * 1e4).round() / 1e4,
             "windows": l.windows(),
+            "cupti_writes_failed": cupti_switch.failed,
         })
     });
     let (mut sinks, snap) = match reader.stop() {
