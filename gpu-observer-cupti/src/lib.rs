@@ -246,6 +246,10 @@ struct Injection {
     limiter: Mutex<Bucket>,
     /// Serializes enabling and disabling (the driver's thread and the control thread).
     switch: Mutex<()>,
+    /// Held while a flush hands buffers to the hook: the exit handler waits for the control
+    /// thread's flush in progress, whose records the process's end would otherwise cut off
+    /// (seen in the tests on a loaded machine: the last ~90 ms of records missing).
+    flushing: Mutex<()>,
     /// Name pointers already sent to the current observer.
     names_sent: Mutex<HashSet<u64>>,
     /// The device table reached the current observer (kernel records need it for occupancy).
@@ -351,6 +355,7 @@ fn init() -> Injection {
     let inj = |cupti, state: CuptiState, result: i32| Injection {
         limiter: Mutex::new(Bucket::new(cfg.rate_limit, Instant::now())),
         switch: Mutex::new(()),
+        flushing: Mutex::new(()),
         cfg: cfg.clone(),
         cupti,
         state: AtomicU64::new(state as u64),
@@ -620,8 +625,28 @@ fn flush(inj: &Injection, flag: u32) {
         send_devices(inj);
     }
     if let Some(c) = &inj.cupti {
+        // Bounded: a flush stuck inside CUPTI must not hold the process's exit.
+        let _held = lock_within(&inj.flushing, FLUSH_WAIT);
         // SAFETY: CUPTI entry point; completed buffers come back through buffer_completed.
         unsafe { (c.flush_all)(flag) };
+    }
+}
+
+/// The longest a flush waits for another one in progress before going ahead without it.
+const FLUSH_WAIT: Duration = Duration::from_secs(1);
+
+/// Locks `m` if it can within `wait` (None after that: the caller goes on unserialized).
+fn lock_within(m: &Mutex<()>, wait: Duration) -> Option<std::sync::MutexGuard<'_, ()>> {
+    let deadline = Instant::now() + wait;
+    loop {
+        match m.try_lock() {
+            Ok(g) => return Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => return Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        }
     }
 }
 
