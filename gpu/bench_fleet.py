@@ -15,8 +15,11 @@ CLOCK_MONOTONIC, `--step-times`) inside that verdict's window. The estimate befo
 correction for the probes' own time (issue 18) is reported beside it.
 
 usage (as root, repo root): python3 gpu/bench_fleet.py --observer .gpu-bundle/gpu-observer \
-    --out DIR [--workload mlp|transformer] [--rounds 5] [--steps N]
-Writes DIR/fleet-<workload>.json and prints a Markdown table.
+    --out DIR [--workload mlp|transformer] [--rounds 5] [--steps N] [--fleet WINDOW,PERIOD]
+Writes DIR/fleet-<workload>.json and prints a Markdown table. With --series, also each bare and
+fleet run's step ends (µs from the first) and the fleet run's window edges, in
+DIR/series-<workload>-<mode>-<round>.json: what a different window schedule would have
+estimated can be computed from them (docs/BENCHMARKS.md "Fleet mode").
 """
 import argparse
 import json
@@ -29,7 +32,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = ["bare", "floor", "always", "fleet"]
-FLEET = ["--capture-window", "1s", "--capture-period", "10s"]
+FLEET = "1s,10s"
 
 
 def workload_cmd(kind, steps, out_json, step_times):
@@ -84,7 +87,8 @@ def run_one(a, mode, r, work):
         if mode == "floor":
             args = ["--format", "jsonl", "--output", "/dev/null", "--probes-floor"]
         elif mode == "fleet":
-            args += FLEET
+            w, p = a.fleet.split(",")
+            args += ["--capture-window", w, "--capture-period", p]
         obs = start_observer(a.observer, args, f"{work}/{mode}-{r}.err")
     t0 = time.time()
     times = f"{work}/{mode}-{r}.steps"
@@ -104,6 +108,7 @@ def run_one(a, mode, r, work):
                "timed_end_ns": t["window_end_ns"], "chunk_max": t["p90_step_ms"] * 1000,
                "loss": t.get("final_loss")}
     res.update(mode=mode, round=r, wall_s=round(wall, 1))
+    series_out = {"mode": mode, "round": r, "fleet": a.fleet if mode == "fleet" else None}
     if mode in ("always", "fleet"):
         ls = lines(jsonl)
         pid = res["pid"]
@@ -141,11 +146,18 @@ def run_one(a, mode, r, work):
                 d["steps_in_window"] = sum(1 for t in ends if a0 < t <= b0)
             res["verdicts"].append(d)
         caps = [l for l in ls if l.get("type") == "capture"]
+        if a.series and ends and mode == "fleet":
+            series_out["edges_us"] = [[(c["ts_ns"] - ends[0]) // 1000, c["state"]] for c in caps]
         res["capture"] = {
             "open_us": [c["took_us"] for c in caps if c["state"] == "open"],
             "close_us": [c["took_us"] for c in caps if c["state"] == "closed"],
             "links": max([c["links"] for c in caps], default=0),
         }
+    if a.series and mode in ("bare", "fleet") and os.path.exists(times):
+        ends = [int(x) for x in open(times).read().split()]
+        if ends:
+            series_out["ends_us"] = [(t - ends[0]) // 1000 for t in ends]
+            json.dump(series_out, open(f"{a.out}/series-{a.workload}-{mode}-{r}.json", "w"))
     for f in (jsonl, times):
         if os.path.exists(f):
             os.remove(f)
@@ -161,6 +173,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--fleet", default=FLEET, help="fleet mode's WINDOW,PERIOD")
+    ap.add_argument("--series", action="store_true", help="keep the step ends (see above)")
     a = ap.parse_args()
     a.steps = a.steps or (6000 if a.workload == "mlp" else 150)
     modes = a.modes.split(",")

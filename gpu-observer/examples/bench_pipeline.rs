@@ -113,6 +113,12 @@ struct Args {
     /// not judged.
     #[arg(long, default_value_t = 0)]
     otlp_rate: u64,
+    /// The OTLP runs' processes: `fresh` (each pass a new set, so the per-process span budget
+    /// never binds: every launch and ioctl a span, the worst case) or `long` (the recording's
+    /// processes live on from pass to pass, their exits left out and each pass's timestamps
+    /// moved to when it is replayed, as a node's long-running jobs do: the budget binds).
+    #[arg(long, default_value = "fresh", value_parser = ["fresh", "long"])]
+    otlp_processes: String,
 }
 
 /// One run's measurement.
@@ -335,13 +341,46 @@ fn cpu_clock(clock: libc::clockid_t) -> u64 {
 /// (the DaemonSet's), the default adaptive sampling (100 µs threshold, 10 000 spans a second
 /// per process), paced to `--otlp-rate` events a second for `--seconds`, then drained (the
 /// span thread exports what is queued). Reported: whether nothing was dropped and the pace
-/// held, and the core's share the agent's threads took (the receiver's CPU left out). Each
-/// pass's processes are new ones, so the per-process span budget never binds: every launch
-/// and ioctl is a span (the worst case). Spans go to [`Receiver`]
+/// held, and the core's share the agent's threads took (the receiver's CPU left out). The
+/// processes are new each pass or long-lived (`--otlp-processes`). Spans go to [`Receiver`]
 /// over HTTP/protobuf.
 fn otlp_runs(args: &Args, records: &[Vec<u8>], receiver: &Receiver) -> Result<()> {
     use gpu_observer::export::otlp;
     let rate = args.otlp_rate as f64;
+    let long = args.otlp_processes == "long";
+    // Long-lived: no exits, and each pass's timestamps squeezed into the time it takes at the
+    // pace, after the last pass's (the span budget counts seconds of these timestamps).
+    let kept: Vec<Vec<u8>>;
+    let (records, mut clock) = if long {
+        kept = records
+            .iter()
+            .filter(|r| {
+                gpu_observer_common::event::read_record::<EventHeader>(r)
+                    .is_none_or(|h| h.kind != EventKind::ProcessExit as u32)
+            })
+            .cloned()
+            .collect();
+        let ts = || {
+            kept.iter()
+                .filter_map(|r| gpu_observer_common::event::read_record::<EventHeader>(r))
+                .map(|h| h.ts_ns)
+        };
+        let (first, last) = (ts().min().unwrap_or(0), ts().max().unwrap_or(0));
+        let pass_ns = (kept.len() as f64 / rate * 1e9) as u64;
+        let clock = PassClock {
+            first,
+            span: (last - first).max(1),
+            pass_ns,
+            base: 0,
+        };
+        (&kept[..], Some(clock))
+    } else {
+        (records, None)
+    };
+    println!(
+        "with OTLP: {} processes",
+        if long { "long-lived" } else { "new each pass" }
+    );
     let mut failed = false;
     for run in 0..args.runs.max(1) {
         let hub = nvml::Hub::new(nvml::State::Off, Duration::from_millis(100), None);
@@ -376,6 +415,9 @@ fn otlp_runs(args: &Args, records: &[Vec<u8>], receiver: &Receiver) -> Result<()
             ALLOCS.load(Ordering::Relaxed),
         );
         let start = Instant::now();
+        if let Some(c) = &mut clock {
+            c.base = monotonic_ns();
+        }
         let (mut events, mut pass, mut item) = (0u64, 0u32, Vec::new());
         while start.elapsed().as_secs_f64() < args.seconds {
             // Paced: a pass is due when the events before it are, at the rate.
@@ -383,7 +425,11 @@ fn otlp_runs(args: &Args, records: &[Vec<u8>], receiver: &Receiver) -> Result<()
             if let Some(ahead) = due.checked_sub(start.elapsed()) {
                 std::thread::sleep(ahead);
             }
-            replay_pass(&mut pipe, records, pass, &mut item)?;
+            if let Some(c) = &clock {
+                replay_later(&mut pipe, records, c, u64::from(pass), &mut item)?;
+            } else {
+                replay_pass(&mut pipe, records, pass, &mut item)?;
+            }
             events += records.len() as u64;
             pass = pass.wrapping_add(1);
         }
@@ -433,6 +479,35 @@ fn replay_pass(pipe: &mut Pipeline, records: &[Vec<u8>], pass: u32, item: &mut V
         {
             let new = u32::from_ne_bytes(old).wrapping_add(offset);
             pid.copy_from_slice(&new.to_ne_bytes());
+        }
+        pipe.record(item)?;
+    }
+    pipe.end_batch()?;
+    pipe.tick(monotonic_ns(), false)
+}
+
+/// Where the long-lived replay puts a pass's timestamps: pass k's `[first, first + span]`
+/// onto `[base + k × pass_ns, base + (k + 1) × pass_ns)`, `base` the run's start on the
+/// monotonic clock: the replay's time runs with the clock the trace windows close by.
+struct PassClock {
+    first: u64,
+    span: u64,
+    pass_ns: u64,
+    base: u64,
+}
+
+/// Pass `pass` of the recording by the same processes, at the time [`PassClock`] gives it.
+fn replay_later(pipe: &mut Pipeline, records: &[Vec<u8>], c: &PassClock, pass: u64, item: &mut Vec<u8>) -> Result<()> {
+    for r in records {
+        item.clear();
+        item.extend_from_slice(r);
+        if let Some(ts) = item.get_mut(TS_AT..TS_AT + 8)
+            && let Ok(old) = <[u8; 8]>::try_from(&*ts)
+        {
+            let into = u128::from(u64::from_ne_bytes(old).saturating_sub(c.first)) * u128::from(c.pass_ns)
+                / u128::from(c.span);
+            let new = c.base + pass * c.pass_ns + into as u64;
+            ts.copy_from_slice(&new.to_ne_bytes());
         }
         pipe.record(item)?;
     }
@@ -531,6 +606,8 @@ fn pass_of(file: &[u8]) -> Result<Vec<Vec<u8>>> {
 
 /// Byte offset of the pid in a record's header.
 const PID_AT: usize = std::mem::offset_of!(EventHeader, pid);
+/// Byte offset of the timestamp in a record's header.
+const TS_AT: usize = std::mem::offset_of!(EventHeader, ts_ns);
 
 /// One run: a fresh pipeline (as the agent configures it with `--format jsonl --trace-all`,
 /// the default memory limit, no NVML), a pass to warm up, then passes until `min` has gone by.

@@ -28,6 +28,7 @@
 mod anomalies;
 mod metrics;
 mod resource;
+mod sample;
 mod spans;
 mod transport;
 
@@ -106,8 +107,16 @@ pub struct Counters {
 
 /// What the reader thread hands over.
 enum Item {
+    /// An event to make a span of, or a process's exit.
     Event(Event),
-    Gpu(GpuActivity),
+    /// A GPU record: for the kernel-time histogram, and a span when the flag says so.
+    Gpu(GpuActivity, bool),
+    /// A call sampled out that had ioctls: the span thread drops the ones it holds for it.
+    SampledOut {
+        tid: u32,
+        start_ns: u64,
+        end_ns: u64,
+    },
     Anomaly(anomalies::Flag),
 }
 
@@ -117,6 +126,8 @@ pub struct Otlp {
     pub counters: Arc<Counters>,
     thread: Option<JoinHandle<()>>,
     meters: SdkMeterProvider,
+    /// The sampling every sender starts with.
+    sampler: sample::Sampler,
     /// Its own runtime (tonic needs one).
     _rt: BackgroundRuntime,
 }
@@ -127,6 +138,7 @@ pub struct Sender {
     /// `None` once closed: the span thread ends when every sender is gone.
     tx: Option<SyncSender<Item>>,
     counters: Arc<Counters>,
+    sampler: sample::Sampler,
 }
 
 impl crate::export::Sink for Sender {
@@ -136,12 +148,16 @@ impl crate::export::Sink for Sender {
 
     /// Never fails: a full queue is a counted drop.
     fn event(&mut self, ev: &Event) -> Result<()> {
-        self.offer(Item::Event(ev.clone()));
+        if let Some(item) = self.sampler.route(ev, &self.counters) {
+            self.offer(item);
+        }
         Ok(())
     }
 
     fn gpu(&mut self, a: &GpuActivity) -> Result<()> {
-        self.offer(Item::Gpu(a.clone()));
+        if let Some(item) = self.sampler.route_gpu(a, &self.counters) {
+            self.offer(item);
+        }
         Ok(())
     }
 
@@ -206,6 +222,7 @@ impl Otlp {
         Some(Sender {
             tx: Some(self.tx.clone()?),
             counters: self.counters.clone(),
+            sampler: self.sampler.clone(),
         })
     }
 
@@ -257,6 +274,7 @@ pub fn start(
     let tally = anomalies::SharedTally::default();
     let kernel_time = metrics::register(&meters, &snapshots, gpu_time, &counters, &procs, &tally);
     let (tx, rx) = sync_channel(cfg.queue);
+    let sampler = sample::Sampler::new(&cfg);
     let c = counters.clone();
     let thread = std::thread::Builder::new().name("otlp-export".into()).spawn({
         let handle = handle.clone();
@@ -268,6 +286,7 @@ pub fn start(
         counters,
         thread: Some(thread),
         meters,
+        sampler,
         _rt: rt,
     })
 }
@@ -285,9 +304,21 @@ mod tests {
     fn a_finding_names_its_calls_span_and_one_the_queue_has_no_room_for_is_counted() {
         let (tx, rx) = sync_channel(1);
         let counters = Arc::new(Counters::default());
+        let cfg = Config {
+            endpoint: None,
+            grpc: false,
+            interval: Duration::from_secs(10),
+            queue: 1,
+            timeout: Duration::from_secs(1),
+            command_line: false,
+            threshold_ns: 100_000,
+            trace_all: false,
+            max_spans_per_sec: 0,
+        };
         let mut s = Sender {
             tx: Some(tx),
             counters: counters.clone(),
+            sampler: sample::Sampler::new(&cfg),
         };
         let ev = Event {
             ts_ns: 5_000,

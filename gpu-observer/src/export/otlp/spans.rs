@@ -72,13 +72,6 @@ struct Window {
     end_ns: u64,
     comm: String,
     spans: u64,
-    /// Token bucket for `max_spans_per_sec`: spans left in the current second.
-    budget: u64,
-    /// Spans of flagged calls and records that may still go out this second once `budget` is
-    /// spent: as many again (the limit must not hide what was anomalous, nor let a process
-    /// flagged that often flood the backend).
-    anomaly_budget: u64,
-    budget_second: u64,
 }
 
 /// The span of a flagged call or GPU record, waiting for its findings.
@@ -208,62 +201,42 @@ impl Spans {
         SpanId::from_bytes(self.ids().max(1).to_be_bytes())
     }
 
-    /// The window for `pid` at `ts`, opening one (and closing the old) as needed; `None` when
-    /// the process is over its span rate (`anomalous`: over its allowance for flagged spans).
-    fn window(&mut self, pid: u32, comm: &str, ts: u64, anomalous: bool) -> Option<(TraceId, SpanId)> {
+    /// The window for `pid` at `ts`, opening one (and closing the old) as needed. Whether the
+    /// span is wanted was decided before the queue (`sample`).
+    fn window(&mut self, pid: u32, comm: &str, ts: u64) -> (TraceId, SpanId) {
         let interval = self.cfg.interval.as_nanos() as u64;
         if self.windows.get(&pid).is_some_and(|w| ts >= w.start_ns + interval)
             && let Some(w) = self.windows.remove(&pid)
         {
             self.emit_root(pid, w);
         }
-        if !self.windows.contains_key(&pid) {
-            if self.windows.len() >= MAX_WINDOWS
-                && let Some(oldest) = self.windows.iter().min_by_key(|(_, w)| w.start_ns).map(|(p, _)| *p)
-                && let Some(w) = self.windows.remove(&oldest)
-            {
-                self.emit_root(oldest, w);
-                self.counters.windows_closed_early.fetch_add(1, Ordering::Relaxed);
-            }
-            let hi = self.ids();
-            let lo = self.ids();
-            let trace_id = TraceId::from_bytes(((u128::from(hi) << 64) | u128::from(lo)).to_be_bytes());
-            let root = self.new_span_id();
-            self.windows.insert(
-                pid,
-                Window {
-                    trace_id,
-                    root,
-                    start_ns: ts,
-                    end_ns: ts,
-                    comm: comm.to_string(),
-                    spans: 0,
-                    budget: self.cfg.max_spans_per_sec,
-                    anomaly_budget: self.cfg.max_spans_per_sec,
-                    budget_second: ts / 1_000_000_000,
-                },
-            );
+        if let Some(w) = self.windows.get_mut(&pid) {
+            w.spans += 1;
+            return (w.trace_id, w.root);
         }
-        // Inserted above when missing.
-        let w = self.windows.get_mut(&pid)?;
-        let second = ts / 1_000_000_000;
-        if second != w.budget_second {
-            w.budget_second = second;
-            w.budget = self.cfg.max_spans_per_sec;
-            w.anomaly_budget = self.cfg.max_spans_per_sec;
+        if self.windows.len() >= MAX_WINDOWS
+            && let Some(oldest) = self.windows.iter().min_by_key(|(_, w)| w.start_ns).map(|(p, _)| *p)
+            && let Some(w) = self.windows.remove(&oldest)
+        {
+            self.emit_root(oldest, w);
+            self.counters.windows_closed_early.fetch_add(1, Ordering::Relaxed);
         }
-        if self.cfg.max_spans_per_sec > 0 {
-            if w.budget > 0 {
-                w.budget -= 1;
-            } else if anomalous && w.anomaly_budget > 0 {
-                w.anomaly_budget -= 1;
-            } else {
-                self.counters.spans_sampled_out.fetch_add(1, Ordering::Relaxed);
-                return None;
-            }
-        }
-        w.spans += 1;
-        Some((w.trace_id, w.root))
+        let hi = self.ids();
+        let lo = self.ids();
+        let trace_id = TraceId::from_bytes(((u128::from(hi) << 64) | u128::from(lo)).to_be_bytes());
+        let root = self.new_span_id();
+        self.windows.insert(
+            pid,
+            Window {
+                trace_id,
+                root,
+                start_ns: ts,
+                end_ns: ts,
+                comm: comm.to_string(),
+                spans: 1,
+            },
+        );
+        (trace_id, root)
     }
 
     fn extend_window(&mut self, pid: u32, end_ns: u64) {
@@ -335,7 +308,8 @@ impl Spans {
     fn take(&mut self, item: Item) {
         match item {
             Item::Event(ev) => self.event(ev),
-            Item::Gpu(a) => self.gpu(&a),
+            Item::Gpu(a, span) => self.gpu(&a, span),
+            Item::SampledOut { tid, start_ns, end_ns } => self.drop_ioctls(tid, start_ns, end_ns),
             Item::Anomaly(f) => self.anomaly(&f),
         }
     }
@@ -412,9 +386,7 @@ impl Spans {
         let comm = ev.comm().to_string();
         match &ev.body {
             Body::Ioctl(io) => {
-                let Some((trace, _root)) = self.window(ev.pid, &comm, ev.ts_ns, false) else {
-                    return;
-                };
+                let (trace, _root) = self.window(ev.pid, &comm, ev.ts_ns);
                 let mut attrs = vec![
                     KeyValue::new("thread.id", i64::from(ev.tid)),
                     KeyValue::new("ioctl.cmd", format!("{:#x}", io.cmd)),
@@ -464,9 +436,7 @@ impl Spans {
             }
             Body::Launch(l) => {
                 let Some(api) = ev.api else { return };
-                let Some((trace, root)) = self.window(ev.pid, &comm, ev.ts_ns, false) else {
-                    return;
-                };
+                let (trace, root) = self.window(ev.pid, &comm, ev.ts_ns);
                 let mut attrs = vec![
                     KeyValue::new("thread.id", i64::from(ev.tid)),
                     KeyValue::new("gpu.backend", "cuda"),
@@ -494,20 +464,7 @@ impl Spans {
                 let family = api.family;
                 let timed = crate::rules::sampled_by_duration(family);
                 let end = ev.ts_ns + c.duration_ns;
-                // Duration sampling (docs/DESIGN.md "Rules"), as for JSON lines: an abandoned call has no
-                // duration to sample by, and is rare: always kept.
-                if timed
-                    && !c.abandoned
-                    && !crate::rules::kept(c.duration_ns, self.cfg.threshold_ns, self.cfg.trace_all, c.anomalous)
-                {
-                    self.counters.spans_sampled_out.fetch_add(1, Ordering::Relaxed);
-                    self.drop_ioctls(ev.tid, ev.ts_ns, end);
-                    return;
-                }
-                let Some((trace, root)) = self.window(ev.pid, &comm, ev.ts_ns, c.anomalous) else {
-                    self.drop_ioctls(ev.tid, ev.ts_ns, end);
-                    return;
-                };
+                let (trace, root) = self.window(ev.pid, &comm, ev.ts_ns);
                 let mut attrs = vec![
                     KeyValue::new("thread.id", i64::from(ev.tid)),
                     KeyValue::new("gpu.cuda.result", i64::from(c.result)),
@@ -601,7 +558,8 @@ impl Spans {
         }
     }
 
-    fn gpu(&mut self, a: &GpuActivity) {
+    /// A GPU record: its kernel time to the histogram; a span when `span` (`sample`).
+    fn gpu(&mut self, a: &GpuActivity, span: bool) {
         let d = a.duration_ns();
         let comm = crate::rules::comm(&a.comm).into_owned();
         if let Some(k) = a
@@ -612,13 +570,10 @@ impl Spans {
             self.record_kernel(a.pid, &comm, &k.demangled, d);
         }
         let is_slow = crate::rules::is_slow(d, self.cfg.threshold_ns);
-        if !crate::rules::kept(d, self.cfg.threshold_ns, self.cfg.trace_all, a.anomalous) {
-            self.counters.spans_sampled_out.fetch_add(1, Ordering::Relaxed);
+        if !span {
             return;
         }
-        let Some((trace, root)) = self.window(a.pid, &comm, a.rec.start_ns, a.anomalous) else {
-            return;
-        };
+        let (trace, root) = self.window(a.pid, &comm, a.rec.start_ns);
         let mut attrs: Vec<KeyValue> = attributes::span_attributes(a, self.cfg.threshold_ns / 1000, is_slow)
             .into_iter()
             .map(|(k, v)| KeyValue::new(k, value(v)))
@@ -692,6 +647,7 @@ mod tests {
     use opentelemetry::metrics::MeterProvider as _;
 
     use super::*;
+    use crate::export::otlp::sample::Sampler;
     use crate::{
         analyze::anomaly::{Finding, Mode, What},
         decode::{Call, Ioctl, KernelName},
@@ -700,7 +656,40 @@ mod tests {
 
     const COPY: &str = "cuMemcpyHtoD_v2";
 
-    fn spans(max_spans_per_sec: u64) -> Spans {
+    /// The span thread with the reader's sampling in front, as the agent runs them.
+    struct Fed {
+        s: Spans,
+        smp: Sampler,
+    }
+
+    impl Fed {
+        fn event(&mut self, ev: Event) {
+            if let Some(item) = self.smp.route(&ev, &self.s.counters.clone()) {
+                self.s.take(item);
+            }
+        }
+
+        fn gpu(&mut self, a: &GpuActivity) {
+            if let Some(item) = self.smp.route_gpu(a, &self.s.counters.clone()) {
+                self.s.take(item);
+            }
+        }
+    }
+
+    impl std::ops::Deref for Fed {
+        type Target = Spans;
+        fn deref(&self) -> &Spans {
+            &self.s
+        }
+    }
+
+    impl std::ops::DerefMut for Fed {
+        fn deref_mut(&mut self) -> &mut Spans {
+            &mut self.s
+        }
+    }
+
+    fn spans(max_spans_per_sec: u64) -> Fed {
         let cfg = Config {
             endpoint: None,
             grpc: true,
@@ -716,13 +705,16 @@ mod tests {
             .meter("test")
             .f64_histogram("t")
             .build();
-        Spans::new(
-            cfg,
-            Arc::new(Counters::default()),
-            h,
-            ProcAttrs::new(false),
-            SharedTally::default(),
-        )
+        Fed {
+            smp: Sampler::new(&cfg),
+            s: Spans::new(
+                cfg,
+                Arc::new(Counters::default()),
+                h,
+                ProcAttrs::new(false),
+                SharedTally::default(),
+            ),
+        }
     }
 
     fn ev(ts_ns: u64, body: Body) -> Event {
