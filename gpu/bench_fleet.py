@@ -165,6 +165,40 @@ def run_one(a, mode, r, work):
     return res
 
 
+def series_analysis(path):
+    """From a --series file: the spread of the run's rate over 1 s stretches (coefficient of
+    variation of steps per second, warm-up left out) and, for a fleet run, the median step
+    inside the capture windows over the median step outside them (what the windows' probes
+    cost the steps they watch)."""
+    s = json.load(open(path))
+    ends = s["ends_us"][300:]
+    out = {"mode": s["mode"], "round": s["round"], "fleet": s.get("fleet")}
+    if len(ends) < 2:
+        return out
+    counts, t, j = [], ends[0], 0
+    while t + 1_000_000 <= ends[-1]:
+        k = j
+        while k < len(ends) and ends[k] < t + 1_000_000:
+            k += 1
+        counts.append(k - j)
+        j, t = k, t + 1_000_000
+    if len(counts) > 1:
+        out["steps_per_s_cv_1s"] = round(statistics.pstdev(counts) / statistics.mean(counts), 4)
+    edges = s.get("edges_us") or []
+    opens = [e[0] for e in edges if e[1] == "open"]
+    closes = [e[0] for e in edges if e[1] == "closed"]
+    wins = list(zip(opens, closes))
+    if wins:
+        inside, outside = [], []
+        for a, b in zip(ends, ends[1:]):
+            (inside if any(o <= a < c for o, c in wins) else outside).append(b - a)
+        if inside and outside:
+            out["step_us_inside_windows"] = statistics.median(inside)
+            out["step_us_outside_windows"] = statistics.median(outside)
+            out["in_window_slowdown"] = round(statistics.median(inside) / statistics.median(outside) - 1, 4)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--observer", required=True)
@@ -212,6 +246,11 @@ def main():
                         "class_fleet": v["class"],
                         "class_always": [x["class"] for x in al[0]["verdicts"]]})
     report["estimates"] = est
+    if a.series:
+        report["series"] = [series_analysis(f"{a.out}/{f}") for f in sorted(os.listdir(a.out))
+                            if f.startswith(f"series-{a.workload}-")]
+        for x in report["series"]:
+            print("series:", json.dumps(x))
     errs = sorted(abs(e["error"]) for e in est if not e["whole_run"])
     if errs:
         report["estimate_summary"] = {

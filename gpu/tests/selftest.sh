@@ -3,7 +3,8 @@
 # reader; compare, compare_ground_truth, compare_cupti, make_report, bench_report,
 # bench_cupti_report, compare_nvml, compare_verdicts, compare_anomalies, compare_late) on synthetic JSONL, the observer lifecycle
 # in lib.sh (all-process and `run` mode) against tests/fake_observer.py, and bench_cupti.sh,
-# validate_nvml.sh, validate_verdicts.sh and validate_late_attach.sh end to end with the fakes.
+# validate_nvml.sh, validate_verdicts.sh and validate_late_attach.sh end to end with the fakes, and
+# bench_fleet.py's series analysis on a planted series.
 # Run: bash gpu/tests/selftest.sh
 set -euo pipefail
 
@@ -886,6 +887,26 @@ check "validate_late_attach.sh: injection refused -> rc 1, the reason in the rep
     "$(la_e2e le3 WORKLOADS=torch TORCH_STEPS=300 FAKE_GPU_TIMING=refused) $(has "refused: ptrace_denied" "$T/le3.out/LATE_ATTACH.md")"
 check "validate_late_attach.sh: an observer without --gpu-timing -> rc 1, said" "1 0" \
     "$(la_e2e le4 WORKLOADS=torch TORCH_STEPS=50 FAKE_NO_GPU_TIMING=1) $(has "the observer has no --gpu-timing --gpu-timing-for" "$T/le4.out/LATE_ATTACH.md")"
+
+# --- fleet mode (issue 18): bench_fleet.py's series analysis on a planted series: 1 ms steps,
+# 1.1 ms inside two windows; the in-window slowdown is 10 %, the 1 s rate steady but for the
+# windows' seconds.
+"$PY" - "$T/series-mlp-fleet-0.json" <<'PYEOF'
+import json, sys
+ends, t = [], 0
+wins = [(3_000_000, 3_500_000), (7_000_000, 7_500_000)]
+while t < 10_000_000:
+    t += 1100 if any(o <= t < c for o, c in wins) else 1000
+    ends.append(t)
+edges = [x for o, c in wins for x in ([o, "open"], [c, "closed"])]
+json.dump({"mode": "fleet", "round": 0, "fleet": "500ms,4s", "ends_us": ends, "edges_us": edges},
+          open(sys.argv[1], "w"))
+PYEOF
+bf=$("$PY" -c 'import json, sys; sys.path.insert(0, sys.argv[1]); import bench_fleet as b; print(json.dumps(b.series_analysis(sys.argv[2])))' "$GPU" "$T/series-mlp-fleet-0.json")
+check "bench_fleet.py series: the in-window slowdown measured (10 %)" 0 \
+    "$(echo "$bf" | grep -q '"step_us_inside_windows": 1100.0, "step_us_outside_windows": 1000.0, "in_window_slowdown": 0.1}' && echo 0 || echo 1)"
+check "bench_fleet.py series: the 1 s rate's spread seen" 0 \
+    "$("$PY" -c 'import json, sys; x = json.loads(sys.argv[1]); sys.exit(0 if 0.005 < x["steps_per_s_cv_1s"] < 0.05 else 1)' "$bf" && echo 0 || echo 1)"
 
 echo "$pass passed, $fail failed"
 ((fail == 0))
