@@ -78,6 +78,24 @@ pub struct Config {
     pub max_spans_per_sec: u64,
 }
 
+#[cfg(test)]
+impl Config {
+    /// The defaults the unit tests run with: a 100 µs threshold, the given span budget.
+    pub(super) fn for_tests(max_spans_per_sec: u64) -> Self {
+        Self {
+            endpoint: None,
+            grpc: true,
+            interval: Duration::from_secs(10),
+            queue: 1,
+            timeout: Duration::from_secs(1),
+            command_line: false,
+            threshold_ns: 100_000,
+            trace_all: false,
+            max_spans_per_sec,
+        }
+    }
+}
+
 /// What went where, for the summary and the self-metrics.
 #[derive(Default)]
 pub struct Counters {
@@ -304,17 +322,7 @@ mod tests {
     fn a_finding_names_its_calls_span_and_one_the_queue_has_no_room_for_is_counted() {
         let (tx, rx) = sync_channel(1);
         let counters = Arc::new(Counters::default());
-        let cfg = Config {
-            endpoint: None,
-            grpc: false,
-            interval: Duration::from_secs(10),
-            queue: 1,
-            timeout: Duration::from_secs(1),
-            command_line: false,
-            threshold_ns: 100_000,
-            trace_all: false,
-            max_spans_per_sec: 0,
-        };
+        let cfg = Config::for_tests(0);
         let mut s = Sender {
             tx: Some(tx),
             counters: counters.clone(),

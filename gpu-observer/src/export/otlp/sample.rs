@@ -160,25 +160,13 @@ impl Sampler {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use gpu_observer_common::api;
 
     use super::*;
     use crate::decode::Launch;
 
     fn sampler(per_sec: u64) -> Sampler {
-        Sampler::new(&Config {
-            endpoint: None,
-            grpc: false,
-            interval: Duration::from_secs(10),
-            queue: 1,
-            timeout: Duration::from_secs(1),
-            command_line: false,
-            threshold_ns: 100_000,
-            trace_all: false,
-            max_spans_per_sec: per_sec,
-        })
+        Sampler::new(&Config::for_tests(per_sec))
     }
 
     fn at(pid: u32, ts_ns: u64, body: Body) -> Event {

@@ -690,17 +690,7 @@ mod tests {
     }
 
     fn spans(max_spans_per_sec: u64) -> Fed {
-        let cfg = Config {
-            endpoint: None,
-            grpc: true,
-            interval: Duration::from_secs(10),
-            queue: 1,
-            timeout: Duration::from_secs(1),
-            command_line: false,
-            threshold_ns: 100_000,
-            trace_all: false,
-            max_spans_per_sec,
-        };
+        let cfg = Config::for_tests(max_spans_per_sec);
         let h = opentelemetry_sdk::metrics::SdkMeterProvider::default()
             .meter("test")
             .f64_histogram("t")
