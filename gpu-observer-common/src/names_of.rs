@@ -81,6 +81,7 @@ impl CuptiState {
             Some(CuptiState::NoCupti) => "no_cupti",
             Some(CuptiState::Failed) => "failed",
             Some(CuptiState::Idle) => "idle",
+            Some(CuptiState::Starting) => "starting",
             None => "unknown",
         }
     }
@@ -97,6 +98,7 @@ impl CuptiState {
             }
             Some(CuptiState::Failed) => "CUPTI could not be set up: observed with uprobes only",
             Some(CuptiState::Idle) => "CUPTI collection stopped",
+            Some(CuptiState::Starting) => "CUPTI collection starting",
             None => "unknown CUPTI state",
         }
     }

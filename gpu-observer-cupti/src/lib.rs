@@ -530,6 +530,19 @@ fn start(inj: &Injection) {
     if inj.enabled.load(Relaxed) || inj.state.load(Relaxed) == CuptiState::Failed as u64 {
         return;
     }
+    // A late load says it is starting before it enables anything: the agent holds a launch
+    // of a handle it cannot name for its kernel record's name only while CUPTI runs
+    // (correlate/late_names.rs), and a launch CUPTI records between the enable and the status
+    // sent after it would otherwise go out unnamed (seen in the tests on a loaded machine).
+    // Should the enable fail, the status after it says so; launches held meanwhile wait at
+    // most their hold.
+    if LATE.load(Relaxed) && observed() {
+        let (state, result) = (inj.state.load(Relaxed), inj.result.load(Relaxed));
+        inj.state.store(CuptiState::Starting as u64, Relaxed);
+        send_status(inj);
+        inj.state.store(state, Relaxed);
+        inj.result.store(result, Relaxed);
+    }
     // Per-API switches only at the process's first start: set after its contexts exist (a
     // late load, or a restart after fleet mode's pause) CUPTI 13 on the H100 recorded no API
     // call with them (docs/VALIDATION.md; a paused-and-resumed loop joined none of 117 834

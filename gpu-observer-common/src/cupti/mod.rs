@@ -206,6 +206,10 @@ pub enum CuptiState {
     Failed = 4,
     /// The observer went away (or withdrew): collection stopped.
     Idle = 5,
+    /// About to enable collection (a library injected late says so first, so that the agent
+    /// waits for the names of the launches CUPTI records from the enable on); not a state
+    /// of its own: the next status says how the enable went.
+    Starting = 6,
 }
 
 impl CuptiState {
@@ -216,6 +220,7 @@ impl CuptiState {
             3 => Self::NoCupti,
             4 => Self::Failed,
             5 => Self::Idle,
+            6 => Self::Starting,
             _ => return None,
         })
     }

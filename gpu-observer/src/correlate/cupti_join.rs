@@ -274,6 +274,9 @@ impl GpuActivity {
 #[derive(Debug, Default)]
 pub struct GpuState {
     pub status: Status,
+    /// A library injected late announced that it is enabling collection (its next status
+    /// says how that went).
+    pub starting: bool,
     pub stats: GpuStats,
     /// What `stats.busy_ns` has counted (not in the snapshots: only its total is read).
     busy: super::busy::BusyUnion,
@@ -471,6 +474,12 @@ impl GpuState {
                     nvtx: NvtxState::from_u32(rec.cbid),
                     injected: rec.device == status_aux::INJECTED,
                 };
+                // A start announced: launches from now on wait for their names, the state
+                // (and its line) waits for the status after the enable.
+                self.starting = new.state == Some(CuptiState::Starting) && new.injected;
+                if new.state == Some(CuptiState::Starting) {
+                    return None;
+                }
                 let changed = new.state != self.status.state;
                 self.status = new;
                 changed.then_some(new)
@@ -1176,5 +1185,36 @@ mod tests {
             g.record(1, [0; 16], &st, &mut out, &mut Vec::new(), &mut c.pool()),
             None
         );
+    }
+
+    #[test]
+    fn a_late_librarys_announced_start_is_no_state_but_holds_until_the_next_status() {
+        let mut g = GpuState::default();
+        let mut c = Counts::default();
+        let mut out = Vec::new();
+        let mut st = GpuRecord {
+            kind: GpuRecordKind::Status as u32,
+            device: status_aux::INJECTED,
+            ..Default::default()
+        };
+        let mut say = |g: &mut GpuState, state: CuptiState| {
+            st.aux[status_aux::STATE] = state as u64;
+            g.record(1, [0; 16], &st, &mut out, &mut Vec::new(), &mut c.pool())
+        };
+        assert_eq!(say(&mut g, CuptiState::Starting), None, "no line of its own");
+        assert!(g.starting);
+        assert_eq!(g.status.state, None);
+        let s = say(&mut g, CuptiState::Active).expect("changed");
+        assert_eq!(s.state, Some(CuptiState::Active));
+        assert!(!g.starting);
+        // A restart that then fails: announced, then busy.
+        say(&mut g, CuptiState::Idle);
+        assert_eq!(say(&mut g, CuptiState::Starting), None);
+        assert_eq!(g.status.state, Some(CuptiState::Idle));
+        assert_eq!(
+            say(&mut g, CuptiState::Busy).map(|s| s.state),
+            Some(Some(CuptiState::Busy))
+        );
+        assert!(!g.starting);
     }
 }

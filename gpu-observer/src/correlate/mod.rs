@@ -653,9 +653,9 @@ impl Correlator {
                     // will name it (late_names.rs). Under `run` the uprobes saw every handle
                     // that has a name, and launches are written as they come.
                     if l.kernel.is_none()
-                        && p.gpu
-                            .as_deref()
-                            .is_some_and(|g| g.status.injected && g.status.state == Some(CuptiState::Active))
+                        && p.gpu.as_deref().is_some_and(|g| {
+                            g.starting || (g.status.injected && g.status.state == Some(CuptiState::Active))
+                        })
                         && self.held.has_room()
                     {
                         l.held = Some(p.serial);
