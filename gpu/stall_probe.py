@@ -142,12 +142,12 @@ def summarize(ops, edges=()):
     d = [x[1] / 1000 for x in ops]
     s = {"ops": len(d), "p50_us": pct(d, 0.5), "p99_us": pct(d, 0.99), "max_us": max(d, default=None)}
     if edges:
-        near = [x[1] / 1000 for x in ops
-                if any(a <= x[0] + x[1] and x[0] <= b for a, b in edges)]
+        def at_edge(op):
+            return any(a <= op[0] + op[1] and op[0] <= b for a, b in edges)
+        near = [x[1] / 1000 for x in ops if at_edge(x)]
+        far = [x[1] / 1000 for x in ops if not at_edge(x)]
         s["at_edges"] = len(near)
         s["max_at_edge_us"] = max(near, default=None)
-        far = [x[1] / 1000 for x in ops
-               if not any(a <= x[0] + x[1] and x[0] <= b for a, b in edges)]
         s["max_elsewhere_us"] = max(far, default=None)
     return s
 

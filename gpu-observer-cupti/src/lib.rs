@@ -537,11 +537,7 @@ fn start(inj: &Injection) {
     // Should the enable fail, the status after it says so; launches held meanwhile wait at
     // most their hold.
     if LATE.load(Relaxed) && observed() {
-        let (state, result) = (inj.state.load(Relaxed), inj.result.load(Relaxed));
-        inj.state.store(CuptiState::Starting as u64, Relaxed);
-        send_status(inj);
-        inj.state.store(state, Relaxed);
-        inj.result.store(result, Relaxed);
+        send_status_as(inj, CuptiState::Starting as u64);
     }
     // Per-API switches only at the process's first start: set after its contexts exist (a
     // late load, or a restart after fleet mode's pause) CUPTI 13 on the H100 recorded no API
@@ -815,8 +811,13 @@ fn send_marker_name(key: u64, name: u64, domain: u64) {
 }
 
 fn send_status(inj: &Injection) {
+    send_status_as(inj, inj.state.load(Relaxed));
+}
+
+/// The status with `state` reported in place of the library's own.
+fn send_status_as(inj: &Injection, state: u64) {
     let mut aux = [0u64; 8];
-    aux[status_aux::STATE] = inj.state.load(Relaxed);
+    aux[status_aux::STATE] = state;
     aux[status_aux::CUPTI_RESULT] = inj.result.load(Relaxed);
     aux[status_aux::CUPTI_DROPPED] = inj.cupti_dropped.load(Relaxed);
     aux[status_aux::RATE_LIMITED] = inj.rate_limited.load(Relaxed);

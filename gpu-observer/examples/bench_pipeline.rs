@@ -471,19 +471,11 @@ fn otlp_runs(args: &Args, records: &[Vec<u8>], receiver: &Receiver) -> Result<()
 /// One pass of the recording as a new set of processes (see [`measure`]).
 fn replay_pass(pipe: &mut Pipeline, records: &[Vec<u8>], pass: u32, item: &mut Vec<u8>) -> Result<()> {
     let offset = pass.wrapping_mul(1_000_003);
-    for r in records {
-        item.clear();
-        item.extend_from_slice(r);
-        if let Some(pid) = item.get_mut(PID_AT..PID_AT + 4)
-            && let Ok(old) = <[u8; 4]>::try_from(&*pid)
-        {
-            let new = u32::from_ne_bytes(old).wrapping_add(offset);
-            pid.copy_from_slice(&new.to_ne_bytes());
-        }
-        pipe.record(item)?;
-    }
-    pipe.end_batch()?;
-    pipe.tick(monotonic_ns(), false)
+    replay(pipe, records, item, |item| {
+        patch::<4>(item, PID_AT, |old| {
+            u32::from_ne_bytes(old).wrapping_add(offset).to_ne_bytes()
+        })
+    })
 }
 
 /// Where the long-lived replay puts a pass's timestamps: pass k's `[first, first + span]`
@@ -498,21 +490,35 @@ struct PassClock {
 
 /// Pass `pass` of the recording by the same processes, at the time [`PassClock`] gives it.
 fn replay_later(pipe: &mut Pipeline, records: &[Vec<u8>], c: &PassClock, pass: u64, item: &mut Vec<u8>) -> Result<()> {
+    replay(pipe, records, item, |item| {
+        patch::<8>(item, TS_AT, |old| {
+            let into = u128::from(u64::from_ne_bytes(old).saturating_sub(c.first)) * u128::from(c.pass_ns)
+                / u128::from(c.span);
+            (c.base + pass * c.pass_ns + into as u64).to_ne_bytes()
+        })
+    })
+}
+
+/// One pass of the recording through the pipeline, each record changed by `change` first;
+/// then what the reader does after a drain.
+fn replay(pipe: &mut Pipeline, records: &[Vec<u8>], item: &mut Vec<u8>, change: impl Fn(&mut [u8])) -> Result<()> {
     for r in records {
         item.clear();
         item.extend_from_slice(r);
-        if let Some(ts) = item.get_mut(TS_AT..TS_AT + 8)
-            && let Ok(old) = <[u8; 8]>::try_from(&*ts)
-        {
-            let into = u128::from(u64::from_ne_bytes(old).saturating_sub(c.first)) * u128::from(c.pass_ns)
-                / u128::from(c.span);
-            let new = c.base + pass * c.pass_ns + into as u64;
-            ts.copy_from_slice(&new.to_ne_bytes());
-        }
+        change(item);
         pipe.record(item)?;
     }
     pipe.end_batch()?;
     pipe.tick(monotonic_ns(), false)
+}
+
+/// Rewrites the `N` header bytes at `at` of a record (one too short is left as it is).
+fn patch<const N: usize>(item: &mut [u8], at: usize, f: impl Fn([u8; N]) -> [u8; N]) {
+    if let Some(field) = item.get_mut(at..at + N)
+        && let Ok(old) = <[u8; N]>::try_from(&*field)
+    {
+        field.copy_from_slice(&f(old));
+    }
 }
 
 /// Compares with the baseline; exits 1 on FAIL.

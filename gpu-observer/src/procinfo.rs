@@ -154,15 +154,19 @@ impl ProcInfo {
     /// CPU time (user + system) of one thread of a process, in ns, from
     /// `/proc/PID/task/TID/stat` (fields 14 and 15, in clock ticks).
     pub fn thread_cpu_ns(&self, pid: u32, tid: u32) -> Option<u64> {
-        let (stat, _) = read_bounded(&self.root.join(format!("{pid}/task/{tid}/stat")), MAX_STAT)?;
-        cpu_ns_of_stat(&String::from_utf8_lossy(&stat))
+        self.thread_times(pid, tid).map(|(user, sys)| user.saturating_add(sys))
     }
 
     /// System time of one thread, in ns (field 15 of its stat): where a uprobe's trap and
     /// program are charged (observe/capture.rs measures the probes' cost with it).
     pub fn thread_sys_ns(&self, pid: u32, tid: u32) -> Option<u64> {
+        self.thread_times(pid, tid).map(|(_, sys)| sys)
+    }
+
+    /// (user, system) time of one thread, in ns.
+    fn thread_times(&self, pid: u32, tid: u32) -> Option<(u64, u64)> {
         let (stat, _) = read_bounded(&self.root.join(format!("{pid}/task/{tid}/stat")), MAX_STAT)?;
-        stat_times(&String::from_utf8_lossy(&stat)).map(|(_, sys)| sys)
+        stat_times(&String::from_utf8_lossy(&stat))
     }
 
     /// CPU time of the whole process (all its threads, live and exited), in ns.

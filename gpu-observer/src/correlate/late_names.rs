@@ -142,14 +142,8 @@ mod tests {
             comm: [0; 16],
             api: None,
             body: Body::Launch(Launch {
-                function,
-                grid: [1; 3],
-                block: [1; 3],
-                shared_mem_bytes: 0,
-                stream: 0,
-                read_errors: 0,
-                kernel: None,
                 held: Some(1),
+                ..Launch::of(function)
             }),
         }
     }

@@ -1125,21 +1125,7 @@ mod tests {
     #[test]
     fn launches_are_named_through_modules_libraries_and_kernels() {
         let mut c = Correlator::new(100_000);
-        let launch = |f: u64| {
-            ev(
-                Body::Launch(Launch {
-                    held: None,
-                    function: f,
-                    grid: [1; 3],
-                    block: [1; 3],
-                    shared_mem_bytes: 0,
-                    stream: 0,
-                    read_errors: 0,
-                    kernel: None,
-                }),
-                "cuLaunchKernel",
-            )
-        };
+        let launch = |f: u64| ev(Body::Launch(Launch::of(f)), "cuLaunchKernel");
         let named = |api: &str, handle: u64, owner: Option<u64>, name: Option<&str>| {
             call(api, |c| {
                 c.handle = Some(handle);

@@ -61,6 +61,24 @@ pub struct Launch {
     pub held: Option<u64>,
 }
 
+#[cfg(test)]
+impl Launch {
+    /// The tests' plain launch: `function` on one thread of one block, the default stream,
+    /// not named.
+    pub fn of(function: u64) -> Self {
+        Self {
+            function,
+            grid: [1; 3],
+            block: [1; 3],
+            shared_mem_bytes: 0,
+            stream: 0,
+            read_errors: 0,
+            kernel: None,
+            held: None,
+        }
+    }
+}
+
 /// A kernel's name as loaded and as people read it.
 #[derive(Debug, PartialEq, Eq, Hash)]
 pub struct KernelName {

@@ -30,14 +30,8 @@ fn launch(pid: u32, tid: u32, name: &[u8], api: &str, kernel: Option<&str>) -> E
         comm: comm(name),
         api: Some(spec(api)),
         body: Body::Launch(Launch {
-            held: None,
-            function: 0xF000,
-            grid: [1, 1, 1],
-            block: [1, 1, 1],
-            shared_mem_bytes: 0,
-            stream: 0,
-            read_errors: 0,
             kernel: kernel.map(|k| Arc::new(KernelName::new(k))),
+            ..Launch::of(0xF000)
         }),
     }
 }

@@ -181,20 +181,7 @@ mod tests {
     }
 
     fn launch(pid: u32, ts_ns: u64) -> Event {
-        at(
-            pid,
-            ts_ns,
-            Body::Launch(Launch {
-                function: 1,
-                grid: [1; 3],
-                block: [1; 3],
-                shared_mem_bytes: 0,
-                stream: 0,
-                read_errors: 0,
-                kernel: None,
-                held: None,
-            }),
-        )
+        at(pid, ts_ns, Body::Launch(Launch::of(1)))
     }
 
     #[test]
